@@ -1,0 +1,106 @@
+"""Validated configuration objects: one for sampling, one per service."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+MAX_K = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How logits become tokens. ``temperature == 0`` means greedy decoding."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k limit
+    top_p: float = 1.0  # nucleus mass, in (0, 1]
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.seed < 2**64):
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_wire(cls, msg) -> "SamplingParams":
+        """Build from a ``specdec.v1.SamplingParams`` message (top_p 0 is read as 1)."""
+        return cls(
+            temperature=float(msg.temperature),
+            top_k=int(msg.top_k),
+            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+            seed=int(msg.seed),
+        )
+
+    def to_wire(self, pb):
+        return pb.SamplingParams(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed
+        )
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value else default
+
+
+@dataclasses.dataclass
+class ServiceConfig:
+    """Settings of one model service (draft or target)."""
+
+    model: str = "default"
+    role: str = "target"  # "draft" | "target"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = pick a free port
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    threads: int = 0  # torch intra-op threads; 0 = torch's default
+    cache_cap_mb: int = 1024  # KV cache memory cap across sessions
+    max_sessions: int = 256
+    session_ttl_s: float = 600.0  # idle sessions expire after this long
+    max_message_bytes: int = 8 * 1024 * 1024
+    max_batch: int = 16  # sessions merged into one forward pass
+    batch_wait_ms: float = 2.0  # added latency allowed to gather a batch
+    prefill_chunk: int = 256  # prompt tokens per forward pass, so prefill cannot starve rounds
+    fast_linear: bool = True  # oneDNN prepacked weights on CPU
+    calibrate: bool = True  # measure forward costs at start (reported in GetInfo)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # set to require client certificates (mutual TLS)
+
+    def __post_init__(self) -> None:
+        if self.role not in ("draft", "target"):
+            raise ValueError(f"role must be 'draft' or 'target', got {self.role!r}")
+        if not (0 <= self.port < 65536):
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.cache_cap_mb <= 0:
+            raise ValueError(f"cache_cap_mb must be > 0, got {self.cache_cap_mb}")
+        if self.max_sessions <= 0:
+            raise ValueError(f"max_sessions must be > 0, got {self.max_sessions}")
+        if self.session_ttl_s <= 0:
+            raise ValueError(f"session_ttl_s must be > 0, got {self.session_ttl_s}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
+        if self.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.batch_wait_ms < 0:
+            raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+
+    @property
+    def cache_cap_bytes(self) -> int:
+        return self.cache_cap_mb * 1024 * 1024
