@@ -165,3 +165,26 @@ class SessionStore(Generic[C]):
         if dropped:
             log.info("dropped sessions (ttl/cap): %s", dropped)
         return dropped
+
+
+def resolve(
+    store: SessionStore, session_id: str, prefix_len: int, prefix_hash: int, new_cache
+) -> Session:
+    """The session a call builds on, truncated to its prefix (rollback).
+
+    prefix_len == 0 (re)starts the session with a fresh cache from ``new_cache()``. Otherwise the
+    session must exist (SessionNotFound) and hold that prefix (PrefixMismatch).
+    """
+    if not session_id or len(session_id.encode()) > 128:
+        raise ValueError("session_id must be 1..128 bytes")
+    if prefix_len == 0:
+        if prefix_hash != 0:
+            raise ValueError("prefix_hash must be 0 when prefix_len is 0")
+        session = Session(session_id, new_cache())
+        store.put(session)
+        return session
+    session = store.get(session_id)
+    session.check_prefix(prefix_len, prefix_hash)
+    session.truncate(prefix_len)
+    session.cache.truncate(prefix_len)
+    return session

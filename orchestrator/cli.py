@@ -1,0 +1,213 @@
+"""The ``specdec`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODE = "pipelined"
+
+
+def add_generation_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--k", type=int, default=None,
+                   help="draft tokens per round (default: adaptive; 0 = no speculation)")
+    p.add_argument("--mode", choices=["pipelined", "spec", "target-only"], default=DEFAULT_MODE,
+                   help="pipelined: draft ahead during verification (default); spec: sequential "
+                        "rounds; target-only: no draft, the baseline")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_pair_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="default",
+                   help="target model: 'default' (SmolLM2-135M-Instruct), a .gguf file or a "
+                        "Hugging Face directory")
+    p.add_argument("--draft", default="default-draft",
+                   help="draft model: 'default-draft' (shipped for the default target), 'ngram' "
+                        "(prompt lookup), a specdec draft directory, .gguf or HF directory")
+    p.add_argument("--target-addr", help="HOST:PORT of a running target service")
+    p.add_argument("--draft-addr", help="HOST:PORT of a running draft service")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per local service (default 1: one core each)")
+    p.add_argument("--tokenizer", help="tokenizer for prompts (default: the --target model)")
+    p.add_argument("--tls-ca", help="CA that signed the services' certificates (enables TLS)")
+    p.add_argument("--tls-cert", help="client certificate for mutual TLS")
+    p.add_argument("--tls-key", help="client key for mutual TLS")
+    p.add_argument("--tls-server-name", help="expected server name in the certificates")
+
+
+def tls_from_args(args) -> dict | None:
+    if not getattr(args, "tls_ca", None):
+        return None
+    return dict(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
+                server_name=args.tls_server_name)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool | None) -> list[int]:
+    """Prompt ids; chat (default when the tokenizer has a template) applies the chat template."""
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+class Pair:
+    """Local services (when no addresses are given) plus a connected Orchestrator."""
+
+    def __init__(self, args, need_draft: bool = True):
+        self.args = args
+        self.need_draft = need_draft
+        self.local = None
+        self.orch = None
+
+    async def __aenter__(self):
+        from orchestrator.local import LocalServices
+        from orchestrator.pair import connect
+
+        a = self.args
+        target_addr, draft_addr = a.target_addr, a.draft_addr
+        want_draft = self.need_draft and a.mode != "target-only"
+        if target_addr is None or (want_draft and draft_addr is None):
+            self.local = LocalServices(
+                target=a.target,
+                draft=a.draft if want_draft and draft_addr is None else None,
+                threads=a.threads,
+            )
+            await asyncio.get_running_loop().run_in_executor(None, self.local.__enter__)
+            target_addr = target_addr or self.local.target_addr
+            draft_addr = draft_addr or self.local.draft_addr
+        self.orch = await connect(target_addr, draft_addr if want_draft else None,
+                                  tokenizer_spec=a.tokenizer or a.target, tls=tls_from_args(a))
+        return self.orch
+
+    async def __aexit__(self, *exc):
+        from orchestrator.pair import close
+
+        if self.orch is not None:
+            await close(self.orch)
+        if self.local is not None:
+            self.local.stop()
+
+
+def cmd_generate(args) -> int:
+    from orchestrator.loop import GenerationRequest
+    from specdec.config import SamplingParams
+
+    prompts = []
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    if args.prompt:
+        prompts.insert(0, args.prompt)
+    if not prompts:
+        raise SystemExit("error: give a PROMPT or --prompt-file")
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}")
+
+    async def run() -> None:
+        async with Pair(args) as orch:
+            for prompt in prompts:
+                ids = encode_prompt(orch.tokenizer, prompt, args.chat)
+                req = GenerationRequest(ids, args.max_new_tokens, sampling, args.stop,
+                                        args.mode, args.k)
+                if args.json:
+                    result = await orch.generate(req)
+                    out = result.summary()
+                    out["prompt"] = prompt
+                    print(json.dumps(out), flush=True)
+                    continue
+                async for item in orch.stream(req):
+                    if hasattr(item, "text") and not hasattr(item, "stats"):
+                        print(item.text, end="", flush=True)
+                    else:
+                        result = item
+                s = result.summary()
+                print(
+                    f"\n\n[{s['mode']}] {s['completion_tokens']} tokens in {s['wall_s']:.2f}s "
+                    f"({s['tokens_per_s']:.1f} tok/s) | rounds {s['rounds']} | acceptance "
+                    f"{s['acceptance_rate']:.2f} | tokens/round {s['mean_tokens_per_round']:.2f} | "
+                    f"k mean {s['k_mean']:.2f} | overlap {s['overlap_efficiency']:.2f}",
+                    file=sys.stderr, flush=True,
+                )
+
+    try:
+        asyncio.run(run())
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from draft_service import server as draft_server
+    from target_service import server as target_server
+
+    parser = argparse.ArgumentParser(
+        prog="specdec", description="Distributed speculative decoding over gRPC services.")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text with speculative decoding")
+    g.add_argument("prompt", nargs="?", help="the prompt (or use --prompt-file)")
+    g.add_argument("--prompt-file", help="one prompt per line")
+    g.add_argument("--chat", dest="chat", action="store_true", default=None,
+                   help="apply the chat template (default for chat models)")
+    g.add_argument("--no-chat", dest="chat", action="store_false")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_generation_arguments(g)
+    add_pair_arguments(g)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("serve-draft", help="run the draft service in the foreground")
+    draft_server.add_arguments(d)
+    d.set_defaults(func=draft_server.run)
+
+    t = sub.add_parser("serve-target", help="run the target service in the foreground")
+    target_server.add_arguments(t)
+    t.set_defaults(func=target_server.run)
+
+    for register in _extensions():
+        register(sub)
+    return parser
+
+
+def _extensions():
+    """Subcommands that live in their own modules."""
+    import importlib
+
+    for module in ("orchestrator.serve_cli", "bench.cli", "specdec.distill_cli", "orchestrator.ray_cli"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
+            continue
+        yield mod.register
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command not in ("serve-draft", "serve-target"):
+        logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.WARNING),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

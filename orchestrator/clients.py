@@ -1,0 +1,248 @@
+"""The orchestrator's view of the two services: channels, calls, and session tracking.
+
+The orchestrator owns each generation's token history. For each service it remembers which
+tokens that service's cache holds for the session (``known``), sends only what is new, and
+when a service answers NOT_FOUND / FAILED_PRECONDITION (cache lost or out of step) it forgets
+what it knew and re-sends the whole history: a lost cache costs time, never text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+
+import grpc
+
+from specdec import rpc
+from specdec.config import SamplingParams
+from specdec.session import extend_hashes
+from specdec.wire import specdec_pb2 as pb
+from specdec.wire import specdec_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+SESSION_LOST = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
+RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ServiceError(Exception):
+    """A service call failed; ``code`` is the gRPC status code."""
+
+    def __init__(self, service: str, code: grpc.StatusCode, details: str):
+        super().__init__(f"{service} service: {code.name}: {details}")
+        self.service = service
+        self.code = code
+        self.details = details
+
+    @property
+    def session_lost(self) -> bool:
+        return self.code in SESSION_LOST
+
+    @property
+    def retriable(self) -> bool:
+        return self.code in RETRIABLE
+
+
+class History:
+    """A session's committed tokens (prompt first) with the rolling hash of every prefix."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens: list[int] = []
+        self.hashes: list[int] = [0]
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens) -> None:
+        tokens = [int(t) for t in tokens]
+        self.tokens.extend(tokens)
+        extend_hashes(self.hashes, tokens)
+
+
+@dataclasses.dataclass
+class CallRecord:
+    """One RPC as the orchestrator saw it (for stats and the timeline plot)."""
+
+    service: str  # "draft" | "target"
+    start: float  # time.perf_counter() at send
+    end: float
+    compute_ms: float  # service-side model time
+    tokens: int  # draft tokens proposed / verified
+    outcome: str = "ok"  # ok | cancelled | error
+
+
+class ServiceClient:
+    """A channel to one service with its stub, info, and per-session cache knowledge."""
+
+    role = ""
+
+    def __init__(self, address: str, tls: dict | None = None,
+                 max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES,
+                 timeout_s: float = 30.0):
+        self.address = address
+        self.channel = rpc.aio_channel(address, max_message_bytes, tls)
+        self.timeout_s = timeout_s
+        self.info: pb.ModelInfo | None = None
+        # session id -> the tokens this service's cache holds for it (as far as we know)
+        self.known: dict[str, list[int]] = {}
+
+    async def wait_ready(self, timeout_s: float = 300.0) -> pb.ModelInfo:
+        """Wait until the service answers GetInfo (it is UNAVAILABLE while loading)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.info = await self.stub.GetInfo(pb.InfoRequest(), timeout=10)
+                return self.info
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in RETRIABLE or time.monotonic() > deadline:
+                    raise ServiceError(self.role, exc.code(), exc.details() or "") from None
+            await asyncio.sleep(0.2)
+
+    def ref(self, session_id: str, history: History) -> tuple[pb.SessionRef, list[int]]:
+        """The SessionRef for the next call and the tokens it must append."""
+        known = self.known.get(session_id, [])
+        common = 0
+        limit = min(len(known), len(history) - 1)  # always re-send at least the last token
+        while common < limit and known[common] == history.tokens[common]:
+            common += 1
+        ref = pb.SessionRef(session_id=session_id, prefix_len=common,
+                            prefix_hash=history.hashes[common])
+        return ref, history.tokens[common:]
+
+    def forget(self, session_id: str) -> None:
+        self.known.pop(session_id, None)
+
+    async def close_session(self, session_id: str) -> None:
+        self.known.pop(session_id, None)
+        try:
+            await self.stub.CloseSession(pb.CloseRequest(session_id=session_id), timeout=5)
+        except grpc.aio.AioRpcError as exc:  # best effort: the TTL reclaims it otherwise
+            log.debug("close %s on %s failed: %s", session_id, self.role, exc.code())
+
+    async def stats(self) -> pb.ServiceStats:
+        return await self.stub.GetStats(pb.StatsRequest(), timeout=10)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    def _error(self, exc: grpc.aio.AioRpcError) -> ServiceError:
+        return ServiceError(self.role, exc.code(), exc.details() or "")
+
+
+class DraftClient(ServiceClient):
+    role = "draft"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stub = pb_grpc.DraftServiceStub(self.channel)
+        self._tickets: dict[str, int] = {}  # latest call per session: only it updates `known`
+
+    async def propose(self, session_id: str, history: History, extra: list[int], k: int,
+                      sampling: SamplingParams, request_id: str = "") -> tuple[pb.DraftResponse, CallRecord]:
+        """Propose k tokens after history + extra (extra: uncommitted tokens, pipelining).
+
+        Unary so that a speculative call can be cancelled; re-prefills once on a lost session.
+        """
+        seq = History(history.tokens + extra) if extra else history
+        ticket = self._tickets[session_id] = self._tickets.get(session_id, 0) + 1
+        for attempt in (0, 1):
+            ref, tokens = self.ref(session_id, seq)
+            req = pb.DraftRequest(session=ref, tokens=tokens, k=k,
+                                  sampling=sampling.to_wire(pb), request_id=request_id)
+            start = time.perf_counter()
+            try:
+                resp = await self.stub.Propose(req, timeout=self.timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                err = self._error(exc)
+                self.forget(session_id)
+                if err.session_lost and attempt == 0:
+                    log.info("draft lost session %s (%s); re-prefilling", session_id, err.details)
+                    continue
+                raise err from None
+            except asyncio.CancelledError:
+                # The draft may have truncated to the prefix and appended part of the block:
+                # only the prefix is still known (unless a later call already said more).
+                if self._tickets.get(session_id) == ticket:
+                    self.known[session_id] = seq.tokens[: ref.prefix_len]
+                raise
+            end = time.perf_counter()
+            if self._tickets.get(session_id) == ticket:
+                self.known[session_id] = seq.tokens + list(resp.tokens[:-1])
+            return resp, CallRecord("draft", start, end, resp.compute_ms, len(resp.tokens))
+        raise AssertionError("unreachable")
+
+
+class TargetClient(ServiceClient):
+    """Verify calls go over one bidirectional stream per session (the round loop's channel)."""
+
+    role = "target"
+
+    def __init__(self, *args, use_stream: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stub = pb_grpc.TargetServiceStub(self.channel)
+        self.use_stream = use_stream
+        self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
+
+    async def _call(self, session_id: str, req: pb.VerifyRequest) -> pb.VerifyResponse:
+        if not self.use_stream:
+            return await self.stub.Verify(req, timeout=self.timeout_s)
+        call = self._streams.get(session_id)
+        if call is None:
+            call = self._streams[session_id] = self.stub.VerifyStream()
+        try:
+            await call.write(req)
+            resp = await asyncio.wait_for(call.read(), self.timeout_s)
+        except grpc.aio.AioRpcError:
+            self._streams.pop(session_id, None)
+            raise
+        except BaseException:
+            self._streams.pop(session_id, None)
+            call.cancel()
+            raise
+        if resp is grpc.aio.EOF:
+            self._streams.pop(session_id, None)
+            code = await call.code()
+            raise grpc.aio.AioRpcError(code, None, None, details=await call.details())
+        return resp
+
+    async def verify(self, session_id: str, history: History, draft_tokens: list[int],
+                     draft_dists, sampling: SamplingParams,
+                     request_id: str = "") -> tuple[pb.VerifyResponse, CallRecord]:
+        for attempt in (0, 1):
+            ref, tokens = self.ref(session_id, history)
+            req = pb.VerifyRequest(session=ref, tokens=tokens, draft_tokens=draft_tokens,
+                                   draft_dists=draft_dists, sampling=sampling.to_wire(pb),
+                                   request_id=request_id)
+            start = time.perf_counter()
+            try:
+                resp = await self._call(session_id, req)
+            except grpc.aio.AioRpcError as exc:
+                err = self._error(exc)
+                self.forget(session_id)
+                if err.session_lost and attempt == 0:
+                    log.info("target lost session %s (%s); re-prefilling", session_id, err.details)
+                    continue
+                raise err from None
+            except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+                self.forget(session_id)
+                if isinstance(exc, asyncio.TimeoutError):
+                    raise ServiceError("target", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"no verdict within {self.timeout_s}s") from None
+                raise
+            end = time.perf_counter()
+            self.known[session_id] = history.tokens + list(draft_tokens[: resp.num_accepted])
+            return resp, CallRecord("target", start, end, resp.compute_ms, len(draft_tokens))
+        raise AssertionError("unreachable")
+
+    async def close_session(self, session_id: str) -> None:
+        call = self._streams.pop(session_id, None)
+        if call is not None:
+            try:
+                await call.done_writing()
+            except Exception:
+                pass
+            call.cancel()
+        await super().close_session(session_id)

@@ -1,0 +1,122 @@
+"""Start the draft and target services as local processes on free loopback ports."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+log = logging.getLogger(__name__)
+
+
+class ServiceProcess:
+    """One service in a child process; stopped by its process id (never by name)."""
+
+    def __init__(self, role: str, args: list[str], env: dict | None = None,
+                 log_path: str | None = None):
+        self.role = role
+        self._tmp = tempfile.mkdtemp(prefix=f"specdec-{role}-")
+        self.port_file = os.path.join(self._tmp, "port")
+        self.log_path = log_path or os.path.join(self._tmp, "log")
+        module = "draft_service" if role == "draft" else "target_service"
+        cmd = [sys.executable, "-m", module, "--port", "0", "--port-file", self.port_file, *args]
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+        self.port: int | None = None
+
+    @property
+    def address(self) -> str:
+        assert self.port is not None, "service not started"
+        return f"127.0.0.1:{self.port}"
+
+    def wait_port(self, timeout_s: float = 600.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.path.exists(self.port_file):
+                self.port = int(pathlib.Path(self.port_file).read_text())
+                return self.port
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.role} service exited with {self.proc.returncode}:\n{self.tail()}"
+                )
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.role} service did not start in {timeout_s}s:\n{self.tail()}")
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(pathlib.Path(self.log_path).read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (fault tests)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def service_args(model: str, threads: int, extra: list[str] | None = None) -> list[str]:
+    args = ["--model", model, "--log-level", os.environ.get("SPECDEC_SERVICE_LOG", "WARNING")]
+    if threads:
+        args += ["--threads", str(threads)]
+    return args + list(extra or [])
+
+
+class LocalServices:
+    """Both services as child processes (context manager); ``draft`` is None for target-only."""
+
+    def __init__(self, target: str = "default", draft: str | None = "default-draft",
+                 threads: int = 1, target_args: list[str] | None = None,
+                 draft_args: list[str] | None = None):
+        self.target = ServiceProcess("target", service_args(target, threads, target_args))
+        self.draft = None
+        if draft is not None:
+            extra = ["--target", target, *(draft_args or [])]
+            self.draft = ServiceProcess("draft", service_args(draft, threads, extra))
+
+    def __enter__(self) -> "LocalServices":
+        try:
+            self.target.wait_port()
+            if self.draft is not None:
+                self.draft.wait_port()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        for p in (self.draft, self.target):
+            if p is not None:
+                p.stop()
+
+    @property
+    def target_addr(self) -> str:
+        return self.target.address
+
+    @property
+    def draft_addr(self) -> str | None:
+        return self.draft.address if self.draft is not None else None

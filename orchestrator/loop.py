@@ -1,0 +1,336 @@
+"""The speculation loop: draft k, verify in one pass, commit; sequential or pipelined.
+
+- ``target-only``: every round is a verify of an empty block (one target decoding step).
+- ``spec`` (sequential): the draft proposes a block, then the target verifies it.
+- ``pipelined``: while the target verifies block i, the draft already drafts block i+1 from
+  block i plus its own guess g of the target's next token (the draft simply keeps drafting past
+  the block). When the verdict accepts all of block i and the target's token equals g, block
+  i+1 goes on at once; otherwise the in-flight draft call is cancelled, the draft rolls back to
+  the committed tokens (its next call's prefix says so) and drafts from the target's token.
+
+Every mode emits exactly the target's tokens: greedy output is identical to target-only, and
+sampling has the target's distribution (the acceptance rule lives in specdec.acceptance, on the
+target service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import AsyncIterator
+
+from orchestrator.adaptive import KController
+from orchestrator.clients import CallRecord, DraftClient, History, ServiceError, TargetClient
+from orchestrator.text import TextStream
+from specdec.config import MAX_K, SamplingParams
+from specdec.wire import specdec_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MODES = ("pipelined", "spec", "target-only")
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    stop: list[str] = dataclasses.field(default_factory=list)
+    mode: str = "pipelined"
+    k: int | None = None  # None = adaptive
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.k is not None and not (0 <= self.k <= MAX_K):
+            raise ValueError(f"k must be in [0, {MAX_K}], got {self.k}")
+        if not self.request_id:
+            self.request_id = uuid.uuid4().hex[:16]
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    mode: str = ""
+    rounds: int = 0
+    draft_tokens: int = 0  # proposed tokens that were verified
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    rounds_per_k: dict[int, int] = dataclasses.field(default_factory=dict)
+    tokens_per_round: list[int] = dataclasses.field(default_factory=list)
+    pipeline_hits: int = 0  # rounds whose block was drafted during the previous verify
+    pipeline_misses: int = 0  # speculative blocks dropped (rejection or wrong guess)
+    re_prefills: int = 0
+    tokens_without_draft: int = 0
+    draft_failures: int = 0
+    wall_s: float = 0.0
+    ttft_s: float = 0.0
+    calls: list[CallRecord] = dataclasses.field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def k_mean(self) -> float:
+        n = sum(self.rounds_per_k.values())
+        return sum(k * c for k, c in self.rounds_per_k.items()) / n if n else 0.0
+
+    def time_split(self) -> dict[str, float]:
+        """Seconds of draft compute, verify compute, network (RPC time not computing) and idle
+        (wall time when no call was in flight), and overlap efficiency."""
+        draft = sum(c.compute_ms for c in self.calls if c.service == "draft") / 1000.0
+        verify = sum(c.compute_ms for c in self.calls if c.service == "target") / 1000.0
+        rpc_time = {"draft": 0.0, "target": 0.0}
+        for c in self.calls:
+            rpc_time[c.service] += c.end - c.start
+        network = max(0.0, rpc_time["draft"] - draft) + max(0.0, rpc_time["target"] - verify)
+        busy = _union_length([(c.start, c.end) for c in self.calls])
+        wall = self.wall_s or 1e-9
+        return dict(
+            draft_s=draft,
+            verify_s=verify,
+            network_s=network,
+            idle_s=max(0.0, wall - busy),
+            overlap_efficiency=(draft + verify) / wall,
+        )
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]  # generated ids (EOS included when it ended the text)
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) | "length"
+    prompt_tokens: int
+    stats: GenerationStats
+
+    def summary(self) -> dict:
+        s = self.stats
+        n = len(self.token_ids)
+        split = s.time_split()
+        return dict(
+            request_id=self.request_id,
+            text=self.text,
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=n,
+            mode=s.mode,
+            rounds=s.rounds,
+            draft_tokens=s.draft_tokens,
+            accepted_tokens=s.accepted_tokens,
+            acceptance_rate=round(s.acceptance_rate, 4),
+            mean_tokens_per_round=round(sum(s.tokens_per_round) / s.rounds, 4) if s.rounds else 0.0,
+            k_mean=round(s.k_mean, 3),
+            tokens_per_s=round(n / s.wall_s, 3) if s.wall_s else 0.0,
+            wall_s=round(s.wall_s, 4),
+            ttft_s=round(s.ttft_s, 4),
+            overlap_efficiency=round(split["overlap_efficiency"], 4),
+            time_split={k: round(v, 4) for k, v in split.items() if k != "overlap_efficiency"},
+            pipeline_hits=s.pipeline_hits,
+            pipeline_misses=s.pipeline_misses,
+            re_prefills=s.re_prefills,
+            tokens_without_draft=s.tokens_without_draft,
+            accepted_per_position=s.accepted_per_position,
+        )
+
+
+@dataclasses.dataclass
+class Delta:
+    """Streamed piece of a generation: new text and the token ids it came from."""
+
+    text: str
+    token_ids: list[int]
+
+
+class _Block:
+    """A drafted block: tokens and their q's (sparse, sampling only)."""
+
+    def __init__(self, tokens: list[int], dists: list):
+        self.tokens = tokens
+        self.dists = dists
+
+
+class Orchestrator:
+    """Drives generations over one draft client (optional) and one target client."""
+
+    def __init__(self, target: TargetClient, draft: DraftClient | None, tokenizer,
+                 eos_ids: list[int], max_context: int):
+        self.target = target
+        self.draft = draft
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids)
+        self.max_context = max_context
+
+    def _controller(self, req: GenerationRequest) -> KController:
+        target_ms = list(self.target.info.forward_ms) if self.target.info else []
+        draft_ms = list(self.draft.info.forward_ms) if self.draft and self.draft.info else []
+        return KController(target_ms, draft_ms, fixed_k=req.k,
+                           pipelined=req.mode == "pipelined")
+
+    async def generate(self, req: GenerationRequest) -> GenerationResult:
+        """Run a generation to the end and return its result."""
+        result = None
+        async for item in self.stream(req):
+            if isinstance(item, GenerationResult):
+                result = item
+        assert result is not None
+        return result
+
+    async def stream(self, req: GenerationRequest) -> AsyncIterator[Delta | GenerationResult]:
+        """Yield text deltas as tokens are committed, then the GenerationResult."""
+        if len(req.prompt_ids) + req.max_new_tokens > self.max_context:
+            raise ValueError(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) "
+                f"exceeds the context of {self.max_context} tokens"
+            )
+        session_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
+        stats = GenerationStats(mode=req.mode)
+        history = History(req.prompt_ids)
+        n_prompt = len(req.prompt_ids)
+        generated: list[int] = []
+        text = TextStream(self.tokenizer, req.stop)
+        finish = "length"
+        started = time.perf_counter()
+        use_draft = req.mode != "target-only" and self.draft is not None
+        k_ctl = self._controller(req) if use_draft else None
+        spec_task: asyncio.Task | None = None
+        block: _Block | None = None
+        try:
+            while True:
+                remaining = req.max_new_tokens - len(generated)
+                k = min(k_ctl.next_k(), remaining - 1, MAX_K) if k_ctl else 0
+                k = max(k, 0)
+                # 1. the block for this round
+                if k > 0 and block is None:
+                    block = await self._draft(session_id, history, [], k, req, stats)
+                    if block is None:
+                        k = 0
+                elif block is not None and len(block.tokens) > k:
+                    block = _Block(block.tokens[:k], block.dists[:k])
+                if k == 0 or block is None:
+                    block = _Block([], [])
+                # 2. pipelined: keep drafting past the block while the target verifies it
+                k_next = 0
+                if (req.mode == "pipelined" and block.tokens and self.draft is not None
+                        and remaining - len(block.tokens) - 1 > 0):
+                    k_next = min(k_ctl.next_k(after_full_accept=True), MAX_K,
+                                 remaining - len(block.tokens) - 2)
+                if k_next > 0:
+                    spec_task = asyncio.create_task(
+                        self._draft(session_id, history, block.tokens, k_next + 1, req, stats,
+                                    speculative=True)
+                    )
+                # 3. verify
+                resp, rec = await self.target.verify(
+                    session_id, history, block.tokens,
+                    [pb.SparseDist(ids=i, probs=p) for i, p in block.dists],
+                    req.sampling, req.request_id,
+                )
+                stats.calls.append(rec)
+                n_acc = int(resp.num_accepted)
+                new = block.tokens[:n_acc] + [int(resp.next_token)]
+                stats.rounds += 1
+                stats.rounds_per_k[len(block.tokens)] = stats.rounds_per_k.get(len(block.tokens), 0) + 1
+                stats.draft_tokens += len(block.tokens)
+                stats.accepted_tokens += n_acc
+                while len(stats.accepted_per_position) < len(block.tokens):
+                    stats.accepted_per_position.append(0)
+                for i in range(n_acc):
+                    stats.accepted_per_position[i] += 1
+                stats.tokens_per_round.append(len(new))
+                if not block.tokens:
+                    stats.tokens_without_draft += 1
+                if k_ctl is not None and block.tokens:
+                    k_ctl.observe(len(block.tokens), n_acc)
+                elif k_ctl is not None:
+                    k_ctl.observe(0, 0)
+                # 4. the next block: from the speculation if it guessed right
+                next_block = None
+                if spec_task is not None:
+                    if n_acc == len(block.tokens) and not spec_task.done():
+                        spec = await spec_task
+                    elif n_acc == len(block.tokens):
+                        spec = spec_task.result()
+                    else:
+                        spec = None
+                        spec_task.cancel()
+                    if spec is not None and spec.tokens and spec.tokens[0] == resp.next_token:
+                        next_block = _Block(spec.tokens[1:], spec.dists[1:])
+                        stats.pipeline_hits += 1
+                    else:
+                        stats.pipeline_misses += 1
+                    spec_task = None
+                block = next_block if next_block is not None and next_block.tokens else None
+                # 5. commit, then stop conditions
+                done = False
+                for i, tok in enumerate(new):
+                    generated.append(tok)
+                    if tok in self.eos_ids:
+                        finish, done = "stop", True
+                        break
+                    if len(generated) >= req.max_new_tokens:
+                        done = True
+                        break
+                history.extend(new[: i + 1])
+                if stats.ttft_s == 0.0:
+                    stats.ttft_s = time.perf_counter() - started
+                delta = text.update(generated, final=done)
+                if text.stopped:
+                    finish, done = "stop", True
+                    generated = generated[: text.stop_token_count]
+                if delta:
+                    yield Delta(delta, new)
+                if done:
+                    break
+        finally:
+            if spec_task is not None:
+                spec_task.cancel()
+            stats.wall_s = time.perf_counter() - started
+            await asyncio.shield(self._close(session_id))
+        yield GenerationResult(req.request_id, generated, text.text, finish, n_prompt, stats)
+
+    async def _draft(self, session_id: str, history: History, extra: list[int], k: int,
+                     req: GenerationRequest, stats: GenerationStats,
+                     speculative: bool = False) -> _Block | None:
+        """A block from the draft, or None when the draft failed (the round goes on without)."""
+        try:
+            resp, rec = await self.draft.propose(session_id, history, extra, k, req.sampling,
+                                                 req.request_id)
+        except asyncio.CancelledError:
+            if speculative:
+                t = time.perf_counter()
+                stats.calls.append(CallRecord("draft", t, t, 0.0, 0, "cancelled"))
+            raise
+        except ServiceError as exc:
+            stats.draft_failures += 1
+            log.warning("request %s: draft failed (%s); continuing without it", req.request_id, exc)
+            return None
+        stats.calls.append(rec)
+        return _Block(list(resp.tokens), [(list(d.ids), list(d.probs)) for d in resp.dists])
+
+    async def _close(self, session_id: str) -> None:
+        closers = [self.target.close_session(session_id)]
+        if self.draft is not None:
+            closers.append(self.draft.close_session(session_id))
+        await asyncio.gather(*closers, return_exceptions=True)

@@ -1,0 +1,167 @@
+"""The prompts ``specdec distill`` has the target answer, and the held-out ones it evaluates on.
+
+Built deterministically from task templates x topics, so the set is large and diverse (code,
+explanations, lists, how-tos, stories, Q&A, comparisons, multi-turn chat) without shipping a
+corpus. Held-out prompts use topics that never appear in training prompts.
+"""
+
+from __future__ import annotations
+
+import random
+
+TRAIN_TOPICS = [
+    "photosynthesis", "the water cycle", "volcanoes", "black holes", "the immune system",
+    "climate change", "the French Revolution", "the printing press", "the Roman Empire",
+    "ancient Egypt", "the Industrial Revolution", "democracy", "inflation", "supply and demand",
+    "compound interest", "budgeting", "machine learning", "neural networks", "the internet",
+    "encryption", "databases", "operating systems", "cloud computing", "open source software",
+    "electric cars", "solar power", "wind turbines", "nuclear energy", "recycling", "bees",
+    "dolphins", "elephants", "rainforests", "deserts", "coral reefs", "the moon", "Mars",
+    "gravity", "magnets", "electricity", "sound waves", "light", "atoms", "DNA", "vaccines",
+    "sleep", "nutrition", "exercise", "meditation", "stress", "time management",
+    "public speaking", "job interviews", "writing a resume", "learning a language",
+    "playing guitar", "painting", "photography", "gardening", "baking bread", "making coffee",
+    "cooking pasta", "camping", "hiking", "running a marathon", "chess", "soccer",
+    "basketball", "the Olympics", "friendship", "kindness", "honesty", "teamwork",
+    "leadership", "starting a small business", "marketing", "customer service",
+    "negotiation", "email etiquette", "remote work", "smartphones", "social media",
+    "video games", "movies", "music theory", "jazz", "poetry", "Shakespeare", "libraries",
+    "museums", "trains", "airplanes", "bridges", "skyscrapers", "cities", "farming",
+    "weather forecasting", "earthquakes", "oceans", "rivers", "mountains", "dinosaurs",
+    "evolution", "the human heart", "the brain", "bones", "teeth", "cats", "dogs",
+    "horses", "birds", "butterflies", "ants", "trees", "flowers", "mushrooms", "tea",
+    "chocolate", "cheese", "rice", "maps", "compasses", "clocks", "calendars", "money",
+    "banks", "taxes", "voting", "laws", "courts", "newspapers", "radio", "television",
+    "robots", "3D printing", "batteries", "recycling plastic", "water purification",
+    "first aid", "fire safety", "road safety", "a birthday party", "a wedding", "moving house",
+    "a rainy day", "a lost key", "a city at night", "a small village", "a lighthouse",
+    "a dragon", "a robot who learns to paint", "a time traveler", "a pirate ship",
+]
+
+HELD_OUT_TOPICS = [
+    "glaciers", "octopuses", "the Silk Road", "origami", "beekeeping", "submarines",
+    "the periodic table", "telescopes", "knitting", "kites", "the stock market",
+    "penguins", "caves", "the Great Wall of China", "yoga", "pottery", "windmills",
+    "hot air balloons", "sourdough", "password managers", "spreadsheets", "a haunted house",
+    "a snowstorm", "a talking tree", "the Renaissance", "tides", "comets", "hedgehogs",
+    "board games", "violins",
+]
+
+CODE_TASKS = [
+    "Write a Python function that reverses a string.",
+    "Write a Python function that checks whether a number is prime.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Write a Python function that counts the vowels in a string.",
+    "Write a Python function that removes duplicates from a list while keeping order.",
+    "Write a Python function that merges two sorted lists.",
+    "Write a Python class for a simple bank account with deposit and withdraw methods.",
+    "Write a Python function that computes the factorial of a number.",
+    "Write a Python script that reads a text file and prints the number of lines.",
+    "Write a Python function that finds the largest element in a list.",
+    "Write a JavaScript function that capitalizes the first letter of each word.",
+    "Write a SQL query that selects all users older than 30 from a table called users.",
+    "Explain what a Python list comprehension is, with an example.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Write a bash command that counts the files in a directory.",
+    "Write a Python function that converts Celsius to Fahrenheit.",
+    "Explain what recursion is and give a short Python example.",
+    "Write a Python function that sorts a list of dictionaries by a key.",
+    "Explain what a REST API is.",
+    "Write a Python function that flattens a nested list.",
+    "Write a Python function that returns the most common word in a sentence.",
+    "Explain what Git is and how to make a commit.",
+    "Write a Python function that computes the average of a list of numbers.",
+]
+
+TEMPLATES = [
+    "Explain {t} in simple terms.",
+    "What is {t}?",
+    "Give me three interesting facts about {t}.",
+    "Write a short story about {t}.",
+    "Write a short poem about {t}.",
+    "List five things everyone should know about {t}.",
+    "How does {t} work?",
+    "Why is {t} important?",
+    "Explain {t} to a ten-year-old.",
+    "Write a paragraph about the history of {t}.",
+    "What are the pros and cons of {t}?",
+    "Give me a step-by-step guide to getting started with {t}.",
+    "Summarize the main ideas behind {t} in a few sentences.",
+    "What are common misconceptions about {t}?",
+    "Write a short blog post introduction about {t}.",
+    "Describe {t} in three sentences.",
+    "What questions would a student ask about {t}? Answer two of them.",
+    "Write a haiku about {t}.",
+    "Compare {t} with something from everyday life.",
+    "Give me some tips related to {t}.",
+    "Write a friendly email to a colleague about {t}.",
+    "What would the world be like without {t}?",
+    "Write a dialogue between two friends talking about {t}.",
+    "Create a short quiz with three questions about {t}.",
+]
+
+# Used only for held-out prompts, so the evaluation also sees unseen phrasings.
+HELD_OUT_TEMPLATES = [
+    "Tell me about {t}.",
+    "I am curious about {t}. Where should I start?",
+    "Write a limerick about {t}.",
+    "What are three surprising things about {t}?",
+]
+
+FOLLOW_UPS = [
+    "Can you explain that more simply?",
+    "Can you give me an example?",
+    "Thanks! Can you summarize that in one sentence?",
+    "What else should I know?",
+    "Can you make it shorter?",
+    "Why is that?",
+]
+
+SYSTEM_PROMPTS = [
+    None,
+    None,
+    None,
+    "You are a concise assistant. Answer briefly.",
+    "You are a friendly teacher who explains things clearly.",
+]
+
+
+def _conversations(
+    topics: list[str], templates: list[str], n: int, seed: int, with_code: bool
+) -> list[list[dict]]:
+    rng = random.Random(seed)
+    pairs = [(tpl, topic) for tpl in templates for topic in topics]
+    rng.shuffle(pairs)
+    convs: list[list[dict]] = []
+    code = list(CODE_TASKS) if with_code else []
+    for i in range(n):
+        if code and i % 6 == 5:
+            first = code[(i // 6) % len(code)]
+        else:
+            tpl, topic = pairs[i % len(pairs)]
+            first = tpl.format(t=topic)
+        messages = []
+        system = SYSTEM_PROMPTS[rng.randrange(len(SYSTEM_PROMPTS))]
+        if system:
+            messages.append({"role": "system", "content": system})
+        messages.append({"role": "user", "content": first})
+        convs.append(messages)
+    return convs
+
+
+def train_conversations(n: int = 1200, seed: int = 0) -> list[list[dict]]:
+    """n single-turn chat prompts over the training topics and code tasks."""
+    return _conversations(TRAIN_TOPICS, TEMPLATES, n, seed, with_code=True)
+
+
+def held_out_conversations(n: int = 48, seed: int = 1) -> list[list[dict]]:
+    """Chat prompts on topics that no training prompt mentions."""
+    return _conversations(
+        HELD_OUT_TOPICS, TEMPLATES + HELD_OUT_TEMPLATES, n, seed, with_code=False
+    )
+
+
+def follow_up(rng: random.Random) -> str:
+    """A second user turn for multi-turn samples."""
+    return FOLLOW_UPS[rng.randrange(len(FOLLOW_UPS))]

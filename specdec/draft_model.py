@@ -1,0 +1,182 @@
+"""specdec's own draft models: the file format, loading, and the trainable module.
+
+A draft directory holds ``draft.json`` (architecture, target, recipe card) and
+``weights.safetensors`` (fp16). Drafts made by ``specdec distill`` read their input embedding
+from the target's weights (``embed_from_target``), so the file stores only what is not the
+target's: a few transformer layers, a norm, and a head over a *reduced vocabulary* (the target's
+most frequent output tokens, ``vocab_map``). The draft's q is zero outside that vocabulary,
+which keeps speculative sampling exact: q is what the draft samples from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specdec.engine import ArchConfig, LlamaEngine
+
+FORMAT = "specdec-draft/1"
+META_FILE = "draft.json"
+WEIGHTS_FILE = "weights.safetensors"
+SHIPPED_DIR = pathlib.Path(__file__).parent / "assets" / "default_draft"
+
+
+def is_draft_dir(spec: str) -> bool:
+    path = pathlib.Path(spec).expanduser()
+    return (path / META_FILE).is_file()
+
+
+def shipped_draft_dir() -> pathlib.Path | None:
+    """The draft shipped for the default target, if this installation has one."""
+    return SHIPPED_DIR if (SHIPPED_DIR / META_FILE).is_file() else None
+
+
+def read_meta(path) -> dict:
+    meta = json.loads((pathlib.Path(path) / META_FILE).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a {FORMAT} draft (format {meta.get('format')!r})")
+    return meta
+
+
+def target_embedding(target: str) -> torch.Tensor:
+    """The target's input embedding [vocab, hidden], read alone from its safetensors."""
+    from safetensors import safe_open
+
+    from specdec.models import resolve_model_dir
+
+    path = resolve_model_dir(target) / "model.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        return f.get_tensor("model.embed_tokens.weight").float()
+
+
+def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    meta = read_meta(path)
+    weights = {k: v for k, v in load_file(str(pathlib.Path(path) / WEIGHTS_FILE)).items()}
+    if meta.get("embed_from_target"):
+        weights["embed"] = target_embedding(meta["target"])
+    return meta, weights
+
+
+def load_engine(path, device, fast_linear: bool):
+    """(engine, tokenizer, None) for a draft directory."""
+    from specdec.models import load_tokenizer
+
+    meta, weights = load_weights(path)
+    arch = ArchConfig(**meta["arch"])
+    vocab_map = weights.pop("vocab_map").long()
+    weights = {k: v.float() for k, v in weights.items()}
+    engine = LlamaEngine(arch, weights, device, fast_linear, vocab_map=vocab_map)
+    return engine, load_tokenizer(meta["target"]), None
+
+
+def save(path, arch: ArchConfig, weights: dict[str, torch.Tensor], vocab_map: torch.Tensor,
+         target: str, card: dict) -> None:
+    """Write a draft directory (fp16 weights, input embedding left to the target)."""
+    from safetensors.torch import save_file
+
+    from specdec.models import load_tokenizer
+    from specdec.tokenizer import fingerprint
+
+    path = pathlib.Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in weights.items() if k != "embed"}
+    tensors["vocab_map"] = vocab_map.to(torch.int32).contiguous()
+    save_file(tensors, str(path / WEIGHTS_FILE))
+    meta = dict(
+        format=FORMAT,
+        target=target,
+        target_fingerprint=fingerprint(load_tokenizer(target)),
+        arch=dataclasses.asdict(arch),
+        vocab_out=int(vocab_map.shape[0]),
+        embed_from_target=True,
+        card=card,
+    )
+    (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+class DraftModule(nn.Module):
+    """The draft as a trainable module (full causal attention over whole sequences).
+
+    Same math and canonical weight names as the engine: the engine runs what this trains.
+    The input embedding is the target's, frozen.
+    """
+
+    def __init__(self, arch: ArchConfig, embed: torch.Tensor, vocab_map: torch.Tensor):
+        super().__init__()
+        self.arch = arch
+        self.register_buffer("embed", embed, persistent=False)  # frozen, the target's
+        self.register_buffer("vocab_map", vocab_map.long())
+        a = arch
+        qkv_out = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        self.params = nn.ParameterDict()
+        for i in range(a.num_layers):
+            p = f"layers_{i}_"
+            self.params[p + "attn_norm"] = nn.Parameter(torch.ones(a.hidden_size))
+            self.params[p + "wqkv"] = nn.Parameter(torch.empty(qkv_out, a.hidden_size))
+            self.params[p + "wo"] = nn.Parameter(torch.empty(a.hidden_size, a.num_heads * a.head_dim))
+            self.params[p + "mlp_norm"] = nn.Parameter(torch.ones(a.hidden_size))
+            self.params[p + "w_gate_up"] = nn.Parameter(torch.empty(2 * a.intermediate_size, a.hidden_size))
+            self.params[p + "w_down"] = nn.Parameter(torch.empty(a.hidden_size, a.intermediate_size))
+        self.params["norm"] = nn.Parameter(torch.ones(a.hidden_size))
+        self.params["head"] = nn.Parameter(torch.empty(vocab_map.shape[0], a.hidden_size))
+        for name, prm in self.params.items():
+            if prm.dim() == 2:
+                nn.init.normal_(prm, std=0.02)
+        inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2).float() / a.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def load_canonical(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in weights.items():
+                key = name.replace(".", "_")
+                if key in self.params:
+                    self.params[key].copy_(value)
+
+    def canonical(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for key, value in self.params.items():
+            if key.startswith("layers_"):
+                _, i, rest = key.split("_", 2)
+                out[f"layers.{i}.{rest}"] = value.detach()
+            else:
+                out[key] = value.detach()
+        return out
+
+    def _norm(self, x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.arch.rms_norm_eps))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [batch, seq] -> logits over the reduced vocabulary [batch, seq, vocab_out]."""
+        a = self.arch
+        b, t = tokens.shape
+        x = self.embed[tokens]
+        pos = torch.arange(t, device=tokens.device).float()
+        ang = pos[:, None] * self.inv_freq[None]
+        emb = torch.cat((ang, ang), -1)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+
+        def rope(v):
+            v1, v2 = v.chunk(2, -1)
+            return v * cos + torch.cat((-v2, v1), -1) * sin
+
+        hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        for i in range(a.num_layers):
+            p = f"layers_{i}_"
+            h = self._norm(x, self.params[p + "attn_norm"])
+            q, k, v = F.linear(h, self.params[p + "wqkv"]).split([hq * d, hkv * d, hkv * d], -1)
+            q = rope(q.view(b, t, hq, d).transpose(1, 2))
+            k = rope(k.view(b, t, hkv, d).transpose(1, 2))
+            v = v.view(b, t, hkv, d).transpose(1, 2)
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=hq != hkv)
+            x = x + F.linear(o.transpose(1, 2).reshape(b, t, hq * d), self.params[p + "wo"])
+            h = self._norm(x, self.params[p + "mlp_norm"])
+            gate, up = F.linear(h, self.params[p + "w_gate_up"]).chunk(2, -1)
+            x = x + F.linear(F.silu(gate) * up, self.params[p + "w_down"])
+        return F.linear(self._norm(x, self.params["norm"]), self.params["head"])

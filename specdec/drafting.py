@@ -1,0 +1,183 @@
+"""The draft's side of a round: propose k tokens (and the q each was sampled from).
+
+Two drafters speak the same protocol: a draft *model* (run by the batch scheduler) and the
+model-free *n-gram* drafter (prompt lookup), which proposes the continuation of the latest
+earlier occurrence of the history's last n tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specdec.config import MAX_K, SamplingParams
+from specdec.engine import LlamaEngine
+from specdec.sampling import position_generator, process_logits, sample
+from specdec.scheduler import Piece
+from specdec.session import SessionStore, resolve
+
+
+@dataclasses.dataclass
+class ProposeCall:
+    """A validated draft request."""
+
+    session_id: str
+    prefix_len: int
+    prefix_hash: int
+    tokens: list[int]
+    k: int
+    sampling: SamplingParams
+
+    @classmethod
+    def from_wire(cls, req, vocab_size: int) -> "ProposeCall":
+        tokens = list(req.tokens)
+        if not tokens:
+            raise ValueError("tokens must not be empty: drafting continues from the last one")
+        bad = [t for t in tokens if not (0 <= t < vocab_size)]
+        if bad:
+            raise ValueError(f"tokens: token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        if not (1 <= req.k <= MAX_K):
+            raise ValueError(f"k must be in [1, {MAX_K}], got {req.k}")
+        return cls(
+            session_id=req.session.session_id,
+            prefix_len=int(req.session.prefix_len),
+            prefix_hash=int(req.session.prefix_hash),
+            tokens=tokens,
+            k=int(req.k),
+            sampling=SamplingParams.from_wire(req.sampling),
+        )
+
+
+@dataclasses.dataclass
+class Proposal:
+    tokens: list[int]
+    dists: list[tuple[list[int], list[float]]]  # sparse q per token; [] for greedy
+    cache_len: int
+
+
+class DraftWork:
+    """One propose call as scheduler work: prefill chunks, then one pass per drafted token.
+
+    For sampling the draft samples from its processed distribution truncated to its
+    ``q_top_k`` most likely tokens and sends exactly that distribution as q: the acceptance rule
+    stays exact because q is what the token was drawn from, and the message stays small.
+    """
+
+    def __init__(
+        self, call: ProposeCall, engine: LlamaEngine, store: SessionStore, q_top_k: int = 64
+    ):
+        self.call = call
+        self.session_id = call.session_id
+        self.engine = engine
+        self.store = store
+        self.q_top_k = q_top_k
+        self.cancelled = False
+        self.compute_s = 0.0
+        self.batch_size = 0
+        self._fed = 0
+        self._piece_len = 0
+        self.drafted: list[int] = []
+        self.dists: list[tuple[list[int], list[float]]] = []
+        if not call.sampling.greedy and q_top_k:
+            s = call.sampling
+            top_k = min(s.top_k, q_top_k) if s.top_k else q_top_k
+            self._q_params = SamplingParams(s.temperature, top_k, s.top_p, s.seed)
+        else:
+            self._q_params = call.sampling
+
+    def start(self) -> None:
+        c = self.call
+        self.session = resolve(
+            self.store, c.session_id, c.prefix_len, c.prefix_hash, self.engine.new_cache
+        )
+        max_ctx = self.engine.arch.max_context
+        if c.prefix_len + len(c.tokens) >= max_ctx:
+            raise ValueError(f"sequence exceeds the draft's context of {max_ctx}")
+        # Never draft past the context: a shorter block is still a valid block.
+        self.k = min(c.k, max_ctx - c.prefix_len - len(c.tokens))
+
+    def next_piece(self, budget: int) -> Piece | None:
+        feed = self.call.tokens
+        remaining = len(feed) - self._fed
+        if remaining > 1:
+            if budget <= 0:
+                return None
+            n = min(budget, remaining - 1)
+            chunk, prefill, num_logits = feed[self._fed : self._fed + n], True, 0
+        elif remaining == 1:
+            n, chunk, prefill, num_logits = 1, feed[-1:], False, 1
+        else:
+            n, chunk, prefill, num_logits = 1, self.drafted[-1:], False, 1
+        self._piece_len = n
+        return Piece(self.session.cache, torch.tensor(chunk, dtype=torch.long), num_logits, prefill)
+
+    def consume(self, logits: torch.Tensor) -> bool:
+        if self._fed < len(self.call.tokens):
+            self._fed += self._piece_len
+            if self._fed < len(self.call.tokens):
+                return False
+        else:
+            self.session.append(self.drafted[-1:])  # the drafted token just fed
+        position = self.call.prefix_len + len(self.call.tokens) + len(self.drafted)
+        if self.call.sampling.greedy:
+            out_id = int(logits[-1].argmax())
+        else:
+            probs = process_logits(logits[-1], self._q_params)  # [vocab_out]
+            out_id = sample(probs, position_generator(self.call.sampling.seed, position, "draft"))
+            nz = torch.nonzero(probs > 0).flatten()
+            ids = self.engine.token_ids(nz).tolist()
+            self.dists.append((ids, probs[nz].tolist()))
+        self.drafted.append(int(self.engine.token_ids(torch.tensor([out_id]))[0]))
+        if len(self.drafted) == 1:
+            self.session.append(self.call.tokens)
+        return len(self.drafted) >= self.k
+
+    def result(self) -> Proposal:
+        return Proposal(self.drafted, self.dists, len(self.session))
+
+
+class NgramCache:
+    """The n-gram drafter keeps no model state; the session's tokens are its whole cache."""
+
+    nbytes = 0
+
+    def truncate(self, length: int) -> None:
+        pass
+
+
+class NgramDrafter:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens."""
+
+    def __init__(self, store: SessionStore, max_ngram: int = 4, min_ngram: int = 1):
+        if not (1 <= min_ngram <= max_ngram):
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.store = store
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def propose(self, call: ProposeCall) -> Proposal:
+        session = resolve(
+            self.store, call.session_id, call.prefix_len, call.prefix_hash, NgramCache
+        )
+        session.append(call.tokens)
+        drafted = lookup(session.tokens, call.k, self.max_ngram, self.min_ngram)
+        session.append(drafted[:-1])
+        # The proposal is deterministic: q puts all its mass on the proposed token.
+        dists = [] if call.sampling.greedy else [([t], [1.0]) for t in drafted]
+        return Proposal(drafted, dists, len(session))
+
+
+def lookup(history: list[int], k: int, max_ngram: int, min_ngram: int = 1) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of history's longest suffix.
+
+    Tries suffix lengths max_ngram..min_ngram; returns [] when no suffix occurred before.
+    """
+    n_hist = len(history)
+    for n in range(min(max_ngram, n_hist - 1), min_ngram - 1, -1):
+        suffix = history[n_hist - n :]
+        # latest start j < n_hist - n with history[j:j+n] == suffix
+        for j in range(n_hist - n - 1, -1, -1):
+            if history[j : j + n] == suffix:
+                return list(history[j + n : j + n + k])
+    return []

@@ -1,0 +1,100 @@
+"""Build a service's runtime from a model spec: load weights, tokenizer, fingerprint, engine."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from specdec.config import ServiceConfig
+from specdec.engine import ArchConfig, LlamaEngine, canonical_weights
+from specdec.models import load_hf_model, pick_device, resolve_model_dir
+from specdec.runtime import DraftRuntime, ModelInfo, TargetRuntime
+from specdec.tokenizer import eos_token_ids, fingerprint
+
+log = logging.getLogger(__name__)
+
+NGRAM = "ngram"
+DEFAULT_DRAFT = "default-draft"
+
+
+def _set_threads(config: ServiceConfig) -> None:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+
+
+def load_engine(spec: str, device: torch.device, fast_linear: bool):
+    """(engine, tokenizer, hf_config) for a Hugging Face / GGUF / default model spec."""
+    from specdec import draft_model
+
+    if draft_model.is_draft_dir(spec):
+        return draft_model.load_engine(spec, device, fast_linear)
+    model, tokenizer = load_hf_model(spec)
+    arch = ArchConfig.from_hf(model.config)
+    engine = LlamaEngine(arch, canonical_weights(model.state_dict(), arch), device, fast_linear)
+    return engine, tokenizer, model.config
+
+
+def build_target(config: ServiceConfig) -> TargetRuntime:
+    _set_threads(config)
+    device = pick_device(config.device)
+    engine, tokenizer, hf_config = load_engine(config.model, device, config.fast_linear)
+    info = ModelInfo(
+        model=config.model,
+        role="target",
+        tokenizer_fingerprint=fingerprint(tokenizer),
+        vocab_size=engine.vocab_in,
+        max_context=engine.arch.max_context,
+        eos_token_ids=eos_token_ids(tokenizer, hf_config),
+        forward_ms=[],
+    )
+    return TargetRuntime(config, info, engine)
+
+
+def resolve_draft_spec(spec: str, target: str) -> str:
+    """The draft spec to load: ``default-draft`` is the shipped draft for the default target."""
+    from specdec import draft_model
+    from specdec.models import is_default_target
+
+    if spec != DEFAULT_DRAFT:
+        return spec
+    shipped = draft_model.shipped_draft_dir()
+    if shipped is not None and is_default_target(target):
+        return str(shipped)
+    log.warning("no shipped draft for target %r: using the target itself as its draft", target)
+    return target
+
+
+def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 64) -> DraftRuntime:
+    _set_threads(config)
+    spec = resolve_draft_spec(config.model, target)
+    if spec == NGRAM:
+        from specdec.models import load_tokenizer
+
+        tokenizer = load_tokenizer(target)
+        info = ModelInfo(
+            model=NGRAM,
+            role="draft",
+            tokenizer_fingerprint=fingerprint(tokenizer),
+            vocab_size=len(tokenizer),
+            max_context=1 << 20,
+            eos_token_ids=eos_token_ids(tokenizer),
+            forward_ms=[0.0],
+            drafter="ngram",
+        )
+        return DraftRuntime(config, info, None)
+    device = pick_device(config.device)
+    engine, tokenizer, hf_config = load_engine(spec, device, config.fast_linear)
+    info = ModelInfo(
+        model=config.model,
+        role="draft",
+        tokenizer_fingerprint=fingerprint(tokenizer),
+        vocab_size=engine.vocab_in,
+        max_context=engine.arch.max_context,
+        eos_token_ids=eos_token_ids(tokenizer, hf_config),
+        forward_ms=[],
+    )
+    return DraftRuntime(config, info, engine, q_top_k=q_top_k)
+
+
+__all__ = ["build_target", "build_draft", "resolve_model_dir", "NGRAM", "DEFAULT_DRAFT"]

@@ -1,0 +1,128 @@
+"""What a model service runs, without the network: model, sessions, scheduler, counters.
+
+``TargetRuntime`` verifies blocks; ``DraftRuntime`` proposes them (with a model or n-grams).
+The gRPC servicers in draft_service/ and target_service/ only parse, call these, and reply.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+
+import torch
+
+from specdec.config import ServiceConfig
+from specdec.drafting import DraftWork, NgramDrafter, Proposal, ProposeCall
+from specdec.engine import LlamaEngine
+from specdec.scheduler import BatchScheduler
+from specdec.session import SessionStore
+from specdec.target import VerifyCall, VerifyResult, VerifyWork
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ModelInfo:
+    model: str
+    role: str
+    tokenizer_fingerprint: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: list[int]
+    forward_ms: list[float]
+    drafter: str = "model"
+
+
+def calibrate(engine: LlamaEngine, max_tokens: int = 9, context: int = 64, reps: int = 3) -> list[float]:
+    """Median ms of one forward over m new tokens (m = 1..max_tokens) after ``context`` tokens."""
+    cache = engine.new_cache()
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, engine.vocab_in, (context + max_tokens,), generator=gen)
+    engine.forward([cache], [tokens[:context]], [1])
+    out = []
+    for m in range(1, max_tokens + 1):
+        times = []
+        for _ in range(reps):
+            cache.truncate(context)
+            t0 = time.perf_counter()
+            engine.forward([cache], [tokens[context : context + m]], [m])
+            times.append((time.perf_counter() - t0) * 1000.0)
+        out.append(sorted(times)[len(times) // 2])
+    return out
+
+
+class _Runtime:
+    def __init__(self, config: ServiceConfig, info: ModelInfo, engine: LlamaEngine | None):
+        self.config = config
+        self.info = info
+        self.engine = engine
+        self.store: SessionStore = SessionStore(
+            config.cache_cap_bytes, config.max_sessions, config.session_ttl_s
+        )
+        self.calls = 0
+        self.scheduler: BatchScheduler | None = None
+        if engine is not None:
+            if config.calibrate and not info.forward_ms:
+                info.forward_ms = calibrate(engine)
+            self.scheduler = BatchScheduler(
+                engine,
+                max_batch=config.max_batch,
+                batch_wait_ms=config.batch_wait_ms,
+                token_budget=config.prefill_chunk,
+                after_pass=lambda pinned: self.store.enforce_limits(pinned),
+                name=f"{config.role}-model",
+            )
+
+    def close_session(self, session_id: str) -> bool:
+        return self.store.close(session_id)
+
+    def stats(self) -> dict:
+        self.store.enforce_limits()
+        return dict(
+            sessions=len(self.store),
+            cache_bytes=self.store.nbytes,
+            cache_cap_bytes=self.store.cap_bytes,
+            evictions=self.store.evictions,
+            expirations=self.store.expirations,
+            calls=self.calls,
+            forward_passes=self.scheduler.forward_passes if self.scheduler else 0,
+        )
+
+    def stop(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+
+class TargetRuntime(_Runtime):
+    def verify(self, call: VerifyCall) -> tuple[concurrent.futures.Future, VerifyWork]:
+        """Queue a verify call; the future resolves to a VerifyResult (or its error)."""
+        self.calls += 1
+        work = VerifyWork(call, self.engine, self.store, self.info.vocab_size)
+        return self.scheduler.submit(work), work
+
+
+class DraftRuntime(_Runtime):
+    def __init__(self, config: ServiceConfig, info: ModelInfo, engine: LlamaEngine | None,
+                 q_top_k: int = 64, max_ngram: int = 4):
+        super().__init__(config, info, engine)
+        self.q_top_k = q_top_k
+        self.ngram = NgramDrafter(self.store, max_ngram=max_ngram) if engine is None else None
+
+    def propose(self, call: ProposeCall) -> tuple[concurrent.futures.Future, object]:
+        """Queue (model) or run (n-gram) a propose call; the future resolves to a Proposal."""
+        self.calls += 1
+        if self.ngram is not None:
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                future.set_result(self.ngram.propose(call))
+            except Exception as exc:
+                future.set_exception(exc)
+            self.store.enforce_limits([call.session_id])
+            return future, None
+        work = DraftWork(call, self.engine, self.store, self.q_top_k)
+        return self.scheduler.submit(work), work
+
+
+__all__ = ["ModelInfo", "TargetRuntime", "DraftRuntime", "Proposal", "VerifyResult", "calibrate"]

@@ -1,0 +1,204 @@
+"""Continuous batching: one thread runs the model; calls of many sessions share its passes.
+
+Each call is a ``Work``: a small state machine that asks for one *piece* per iteration (some new
+tokens of its session and how many trailing logits it needs) and consumes the logits. Every
+iteration the scheduler admits queued work (up to ``max_batch`` sessions, one call per session
+at a time), gives each active work one piece, runs ONE ragged forward pass over all pieces, and
+hands the logits back. Fairness: pieces of works that are decoding (verify blocks, draft steps)
+go first; prompt prefill only gets what is left of a per-pass token budget, in chunks, so a long
+prompt cannot stall other sessions' rounds.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Protocol
+
+import torch
+
+from specdec.engine import KVCache, LlamaEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Piece:
+    cache: KVCache
+    tokens: torch.Tensor  # [t] int64
+    num_logits: int
+    prefill: bool  # a prompt chunk (budgeted) rather than a decoding step
+
+
+class Work(Protocol):
+    session_id: str
+    cancelled: bool
+    compute_s: float  # time of the passes this work took part in (set by the scheduler)
+    batch_size: int  # sessions in the last pass it took part in
+
+    def start(self) -> None:
+        """Resolve the session and check the call (raises to fail the call)."""
+
+    def next_piece(self, budget: int) -> Piece | None:
+        """The next piece, at most ``budget`` tokens if it is prefill; None = wait a pass.
+
+        May be asked more than once per pass; only the last piece given is the one consumed.
+        """
+
+    def consume(self, logits: torch.Tensor) -> bool:
+        """Take the piece's logits [num_logits, vocab_out]; return True when the work is done."""
+
+    def result(self):
+        """The call's answer, once done."""
+
+
+@dataclasses.dataclass
+class _Entry:
+    work: Work
+    future: concurrent.futures.Future
+    queued_at: float
+
+
+class BatchScheduler:
+    """Runs works on one engine, batching the work of concurrent sessions."""
+
+    def __init__(
+        self,
+        engine: LlamaEngine,
+        max_batch: int = 16,
+        batch_wait_ms: float = 2.0,
+        token_budget: int = 256,
+        after_pass: Callable[[list[str]], None] | None = None,
+        name: str = "scheduler",
+    ):
+        self.engine = engine
+        self.max_batch = max_batch
+        self.batch_wait_s = batch_wait_ms / 1000.0
+        self.token_budget = token_budget
+        self.after_pass = after_pass
+        self._queue: collections.deque[_Entry] = collections.deque()
+        self._cond = threading.Condition()
+        self._stop = False
+        self.forward_passes = 0
+        self.last_batch_size = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Work) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("scheduler is stopped")
+            self._queue.append(_Entry(work, future, time.monotonic()))
+            self._cond.notify()
+        return future
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(timeout=10)
+
+    def _admit(self, active: list[_Entry]) -> None:
+        busy = {e.work.session_id for e in active}
+        keep: collections.deque[_Entry] = collections.deque()
+        while self._queue:
+            entry = self._queue.popleft()
+            if entry.work.cancelled:
+                entry.future.cancel()
+                continue
+            if len(active) >= self.max_batch or entry.work.session_id in busy:
+                keep.append(entry)
+                continue
+            try:
+                entry.work.start()
+            except Exception as exc:  # the call is wrong or its session is gone: fail it alone
+                entry.future.set_exception(exc)
+                continue
+            active.append(entry)
+            busy.add(entry.work.session_id)
+        self._queue = keep
+
+    def _loop(self) -> None:
+        active: list[_Entry] = []
+        while True:
+            with self._cond:
+                while not self._stop and not self._queue and not active:
+                    self._cond.wait()
+                if self._stop:
+                    for e in list(self._queue) + active:
+                        e.future.cancel()
+                    return
+                was_idle = not active
+                self._admit(active)
+            if was_idle and self.batch_wait_s > 0 and len(active) < self.max_batch:
+                # Starting from idle: give concurrent sessions a moment to join this pass.
+                deadline = time.monotonic() + self.batch_wait_s
+                with self._cond:
+                    while len(active) < self.max_batch and time.monotonic() < deadline:
+                        self._cond.wait(deadline - time.monotonic())
+                        self._admit(active)
+            if not active:
+                continue
+            self._step(active)
+            active[:] = [e for e in active if not e.future.done()]
+            if self.after_pass is not None:
+                try:
+                    self.after_pass([e.work.session_id for e in active])
+                except Exception:  # bookkeeping must never stop the model thread
+                    log.exception("after_pass hook failed")
+
+    def _step(self, active: list[_Entry]) -> None:
+        pieces: list[tuple[_Entry, Piece]] = []
+        budget = self.token_budget
+        # Decoding pieces first (they are small and someone is waiting on each), then prefill.
+        for want_prefill in (False, True):
+            for entry in active:
+                if entry.future.done() or any(entry is p[0] for p in pieces):
+                    continue
+                if entry.work.cancelled:
+                    entry.future.cancel()
+                    continue
+                try:
+                    piece = entry.work.next_piece(max(budget, 0) if want_prefill else 1 << 30)
+                except Exception as exc:
+                    entry.future.set_exception(exc)
+                    continue
+                if piece is None or piece.prefill != want_prefill:
+                    continue
+                if piece.prefill:
+                    if budget <= 0 and pieces:
+                        continue
+                    budget -= int(piece.tokens.shape[0])
+                pieces.append((entry, piece))
+        if not pieces:
+            return
+        started = time.perf_counter()
+        try:
+            logits = self.engine.forward(
+                [p.cache for _, p in pieces],
+                [p.tokens for _, p in pieces],
+                [p.num_logits for _, p in pieces],
+            )
+        except Exception as exc:
+            log.exception("forward pass failed")
+            for entry, _ in pieces:
+                entry.future.set_exception(exc)
+            return
+        elapsed = time.perf_counter() - started
+        self.forward_passes += 1
+        self.last_batch_size = len(pieces)
+        for (entry, _), lg in zip(pieces, logits):
+            entry.work.compute_s += elapsed
+            entry.work.batch_size = len(pieces)
+            if entry.future.done():  # cancelled while its piece ran
+                continue
+            try:
+                if entry.work.consume(lg):
+                    entry.future.set_result(entry.work.result())
+            except Exception as exc:
+                entry.future.set_exception(exc)

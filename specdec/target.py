@@ -1,0 +1,153 @@
+"""The target's side of a round: score a draft block in one pass and apply the acceptance rule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specdec.acceptance import verify_greedy, verify_sampling
+from specdec.config import MAX_K, SamplingParams
+from specdec.engine import LlamaEngine
+from specdec.sampling import from_sparse, position_generator, process_logits
+from specdec.scheduler import Piece
+from specdec.session import SessionStore, resolve
+
+
+@dataclasses.dataclass
+class VerifyCall:
+    """A validated verify request."""
+
+    session_id: str
+    prefix_len: int
+    prefix_hash: int
+    tokens: list[int]  # committed tokens to append; the last one precedes the block
+    draft_tokens: list[int]  # [k]
+    draft_dists: list[tuple[list[int], list[float]]]  # k sparse q's (sampling) or []
+    sampling: SamplingParams
+
+    @classmethod
+    def from_wire(cls, req, vocab_size: int) -> "VerifyCall":
+        """Parse a VerifyRequest; ValueError names what is wrong."""
+        sampling = SamplingParams.from_wire(req.sampling)
+        tokens = list(req.tokens)
+        drafts = list(req.draft_tokens)
+        if not tokens:
+            raise ValueError("tokens must not be empty: the block needs the token it follows")
+        if len(drafts) > MAX_K:
+            raise ValueError(f"a draft block holds at most {MAX_K} tokens, got {len(drafts)}")
+        _check_ids(tokens, vocab_size, "tokens")
+        _check_ids(drafts, vocab_size, "draft_tokens")
+        dists: list[tuple[list[int], list[float]]] = []
+        if not sampling.greedy:
+            if len(req.draft_dists) != len(drafts):
+                raise ValueError(
+                    f"sampling needs one draft distribution per draft token: "
+                    f"{len(drafts)} tokens, {len(req.draft_dists)} draft_dists"
+                )
+            for i, d in enumerate(req.draft_dists):
+                ids, probs = list(d.ids), list(d.probs)
+                if len(ids) != len(probs):
+                    raise ValueError(f"draft_dists[{i}]: ids and probs differ in length")
+                _check_ids(ids, vocab_size, f"draft_dists[{i}].ids")
+                if len(set(ids)) != len(ids):
+                    raise ValueError(f"draft_dists[{i}]: ids repeat")
+                if any(not (0.0 <= p <= 1.0) for p in probs) or sum(probs) > 1.001:
+                    raise ValueError(f"draft_dists[{i}]: probs must be in [0, 1] and sum to <= 1")
+                dists.append((ids, probs))
+        return cls(
+            session_id=req.session.session_id,
+            prefix_len=int(req.session.prefix_len),
+            prefix_hash=int(req.session.prefix_hash),
+            tokens=tokens,
+            draft_tokens=drafts,
+            draft_dists=dists,
+            sampling=sampling,
+        )
+
+
+def _check_ids(ids: list[int], vocab_size: int, what: str) -> None:
+    bad = [t for t in ids if not (0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"{what}: token ids must be in [0, {vocab_size}), got {bad[:5]}")
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    num_accepted: int
+    next_token: int
+    cache_len: int
+
+
+class VerifyWork:
+    """One verify call as scheduler work: prefill chunks, then the block in one pass."""
+
+    def __init__(self, call: VerifyCall, engine: LlamaEngine, store: SessionStore, vocab_size: int):
+        self.call = call
+        self.session_id = call.session_id
+        self.engine = engine
+        self.store = store
+        self.vocab_size = vocab_size
+        self.cancelled = False
+        self.compute_s = 0.0
+        self.batch_size = 0
+        self._feed = call.tokens + call.draft_tokens
+        self._fed = 0
+        self._piece_len = 0
+        self._result: VerifyResult | None = None
+
+    def start(self) -> None:
+        c = self.call
+        self.session = resolve(
+            self.store, c.session_id, c.prefix_len, c.prefix_hash, self.engine.new_cache
+        )
+        total = c.prefix_len + len(self._feed)
+        if total > self.engine.arch.max_context:
+            raise ValueError(
+                f"sequence of {total} tokens exceeds the target's context of "
+                f"{self.engine.arch.max_context}"
+            )
+
+    def next_piece(self, budget: int) -> Piece | None:
+        final = len(self.call.draft_tokens) + 1  # the block and the token it follows
+        remaining = len(self._feed) - self._fed
+        if remaining > final:  # prompt prefill, in chunks within the pass's budget
+            if budget <= 0:
+                return None
+            n = min(budget, remaining - final)
+            prefill, num_logits = True, 0
+        else:
+            n, prefill, num_logits = remaining, False, final
+        self._piece_len = n
+        chunk = torch.tensor(self._feed[self._fed : self._fed + n], dtype=torch.long)
+        return Piece(self.session.cache, chunk, num_logits, prefill)
+
+    def consume(self, logits: torch.Tensor) -> bool:
+        self._fed += self._piece_len
+        if self._fed < len(self._feed):
+            return False
+        c = self.call
+        k = len(c.draft_tokens)
+        logits = self.engine.full_vocab_logits(logits, self.vocab_size)  # [k + 1, vocab]
+        drafts = torch.tensor(c.draft_tokens, dtype=torch.long)
+        if c.sampling.greedy:
+            num_accepted, next_token = verify_greedy(drafts, logits)
+        else:
+            target_probs = process_logits(logits, c.sampling)  # [k + 1, vocab]
+            draft_probs = (
+                torch.stack([from_sparse(i, p, self.vocab_size) for i, p in c.draft_dists])
+                if k
+                else torch.zeros(0, self.vocab_size)
+            )  # [k, vocab]
+            first = c.prefix_len + len(c.tokens)  # position of the first draft token
+            gens = [position_generator(c.sampling.seed, first + i, "target") for i in range(k + 1)]
+            num_accepted, next_token = verify_sampling(drafts, draft_probs, target_probs, gens)
+        kept = c.tokens + c.draft_tokens[:num_accepted]
+        self.session.append(kept)
+        self.session.cache.truncate(c.prefix_len + len(kept))
+        self._result = VerifyResult(num_accepted, next_token, len(self.session))
+        return True
+
+    def result(self) -> VerifyResult:
+        assert self._result is not None
+        return self._result

@@ -1,0 +1,1 @@
+"""The target model's gRPC service: verifies draft blocks in one forward pass."""
