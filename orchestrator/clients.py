@@ -72,6 +72,7 @@ class CallRecord:
     compute_ms: float  # service-side model time
     tokens: int  # draft tokens proposed / verified
     outcome: str = "ok"  # ok | cancelled | error
+    re_prefilled: bool = False  # the service had lost the session; the history was re-sent
 
 
 class ServiceClient:
@@ -171,7 +172,8 @@ class DraftClient(ServiceClient):
             end = time.perf_counter()
             if self._tickets.get(session_id) == ticket:
                 self.known[session_id] = seq.tokens + list(resp.tokens[:-1])
-            return resp, CallRecord("draft", start, end, resp.compute_ms, len(resp.tokens))
+            return resp, CallRecord("draft", start, end, resp.compute_ms, len(resp.tokens),
+                                    re_prefilled=attempt > 0)
         raise AssertionError("unreachable")
 
 
@@ -234,7 +236,8 @@ class TargetClient(ServiceClient):
                 raise
             end = time.perf_counter()
             self.known[session_id] = history.tokens + list(draft_tokens[: resp.num_accepted])
-            return resp, CallRecord("target", start, end, resp.compute_ms, len(draft_tokens))
+            return resp, CallRecord("target", start, end, resp.compute_ms, len(draft_tokens),
+                                    re_prefilled=attempt > 0)
         raise AssertionError("unreachable")
 
     async def close_session(self, session_id: str) -> None:

@@ -307,6 +307,7 @@ class Orchestrator:
             if spec_task is not None:
                 spec_task.cancel()
             stats.wall_s = time.perf_counter() - started
+            stats.re_prefills = sum(c.re_prefilled for c in stats.calls)
             await asyncio.shield(self._close(session_id))
         yield GenerationResult(req.request_id, generated, text.text, finish, n_prompt, stats)
 

@@ -63,6 +63,19 @@ class _Entry:
     queued_at: float
 
 
+def _settle(future: concurrent.futures.Future, result=None, exc: BaseException | None = None) -> None:
+    """Resolve a future unless its caller already cancelled it."""
+    if future.done():
+        return
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except concurrent.futures.InvalidStateError:  # cancelled concurrently
+        pass
+
+
 class BatchScheduler:
     """Runs works on one engine, batching the work of concurrent sessions."""
 
@@ -117,7 +130,7 @@ class BatchScheduler:
             try:
                 entry.work.start()
             except Exception as exc:  # the call is wrong or its session is gone: fail it alone
-                entry.future.set_exception(exc)
+                _settle(entry.future, exc=exc)
                 continue
             active.append(entry)
             busy.add(entry.work.session_id)
@@ -166,7 +179,7 @@ class BatchScheduler:
                 try:
                     piece = entry.work.next_piece(max(budget, 0) if want_prefill else 1 << 30)
                 except Exception as exc:
-                    entry.future.set_exception(exc)
+                    _settle(entry.future, exc=exc)
                     continue
                 if piece is None or piece.prefill != want_prefill:
                     continue
@@ -187,7 +200,7 @@ class BatchScheduler:
         except Exception as exc:
             log.exception("forward pass failed")
             for entry, _ in pieces:
-                entry.future.set_exception(exc)
+                _settle(entry.future, exc=exc)
             return
         elapsed = time.perf_counter() - started
         self.forward_passes += 1
@@ -199,6 +212,6 @@ class BatchScheduler:
                 continue
             try:
                 if entry.work.consume(lg):
-                    entry.future.set_result(entry.work.result())
+                    _settle(entry.future, entry.work.result())
             except Exception as exc:
-                entry.future.set_exception(exc)
+                _settle(entry.future, exc=exc)

@@ -1,0 +1,150 @@
+"""Shared fixtures: tiny random-weight models, real gRPC services on loopback, the real pair."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pathlib
+import threading
+
+import pytest
+import torch
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain what a CPU does in two sentences.",
+    "List three fruits and their colors.",
+]
+
+
+def run(coro):
+    """Run a coroutine to completion in a fresh event loop (tests are synchronous)."""
+    return asyncio.run(coro)
+
+
+def make_tiny_model(path: pathlib.Path, seed: int, layers: int = 2, hidden: int = 64,
+                    heads: int = 4, kv_heads: int = 2, vocab: int | None = None) -> pathlib.Path:
+    """A random-weight Llama with the default target's tokenizer, saved as an HF directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.models import load_tokenizer
+
+    tokenizer = load_tokenizer("default")
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab or len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # sharper logits than the default init: fewer near-ties in argmax
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    """Two different tiny models sharing the default tokenizer: a target and a (bad) draft."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        "target": str(make_tiny_model(root / "target", seed=1, layers=2)),
+        "draft": str(make_tiny_model(root / "draft", seed=2, layers=1)),
+    }
+
+
+class ServiceThread:
+    """A real gRPC service (draft or target) on 127.0.0.1, in its own thread and event loop."""
+
+    def __init__(self, role: str, model: str, target: str = "default", **config):
+        from specdec.config import ServiceConfig
+
+        config.setdefault("calibrate", False)
+        config.setdefault("batch_wait_ms", 0.0)
+        self.config = ServiceConfig(model=model, role=role, **config)
+        self.role = role
+        self.target = target
+        self.loop = asyncio.new_event_loop()
+        self.host = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, daemon=True)
+        self.thread.start()
+        self._ready.wait(300)
+        if self._error:
+            raise self._error
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_until_complete(self._start())
+        if self._error is None:
+            self.loop.run_forever()
+
+    async def _start(self) -> None:
+        try:
+            if self.role == "target":
+                from target_service.server import make_host
+
+                self.host = make_host(self.config)
+            else:
+                from draft_service.server import make_host
+
+                self.host = make_host(self.config, target=self.target)
+            await self.host.start()
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            self._ready.set()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.host.port}"
+
+    @property
+    def runtime(self):
+        return self.host.runtime
+
+    def stop(self) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self.host.stop(0), self.loop)
+        fut.result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def tiny_services(tiny_models):
+    """Target = tiny target; drafts: the tiny (disagreeing) draft, the target itself, n-gram."""
+    target = tiny_models["target"]
+    services = {
+        "target": ServiceThread("target", target),
+        "draft": ServiceThread("draft", tiny_models["draft"], target=target),
+        "self_draft": ServiceThread("draft", target, target=target),
+        "ngram": ServiceThread("draft", "ngram", target=target),
+    }
+    yield services
+    for s in services.values():
+        s.stop()
+
+
+def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Target-only greedy ids from transformers' own generate (the reference)."""
+    from specdec.models import load_hf_model
+
+    model, _ = _hf_cache.get(model_dir) or _hf_cache.setdefault(model_dir, load_hf_model(model_dir))
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=model.config.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+_hf_cache: dict = {}

@@ -1,0 +1,126 @@
+"""The acceptance rule: crafted logits that make every decision certain, then statistics."""
+
+import pytest
+import torch
+
+from specdec.acceptance import verify_greedy, verify_sampling
+from specdec.sampling import position_generator
+
+BIG = 50.0
+
+
+def onehot_logits(tokens, vocab=8):
+    """[len(tokens), vocab] logits whose argmax is each token by a large margin."""
+    logits = torch.zeros(len(tokens), vocab)
+    for i, t in enumerate(tokens):
+        logits[i, t] = BIG
+    return logits
+
+
+def gens(n, seed=0):
+    return [position_generator(seed, i, "target") for i in range(n)]
+
+
+# -- greedy ---------------------------------------------------------------------------------
+
+def test_greedy_perfect_match_gives_bonus():
+    n, nxt = verify_greedy(torch.tensor([3, 1, 4]), onehot_logits([3, 1, 4, 5]))
+    assert (n, nxt) == (3, 5)
+
+
+def test_greedy_first_token_miss():
+    n, nxt = verify_greedy(torch.tensor([2, 1, 4]), onehot_logits([3, 1, 4, 5]))
+    assert (n, nxt) == (0, 3)
+
+
+def test_greedy_miss_in_the_middle():
+    n, nxt = verify_greedy(torch.tensor([3, 1, 7, 5]), onehot_logits([3, 1, 4, 5, 6]))
+    assert (n, nxt) == (2, 4)
+
+
+def test_greedy_empty_block_is_a_plain_step():
+    n, nxt = verify_greedy(torch.tensor([], dtype=torch.long), onehot_logits([6]))
+    assert (n, nxt) == (0, 6)
+
+
+# -- sampling, certain decisions ------------------------------------------------------------
+
+def probs_onehot(tokens, vocab=8):
+    p = torch.zeros(len(tokens), vocab)
+    for i, t in enumerate(tokens):
+        p[i, t] = 1.0
+    return p
+
+
+def test_sampling_all_accepted_plus_bonus():
+    draft = torch.tensor([3, 1])
+    n, nxt = verify_sampling(draft, probs_onehot([3, 1]), probs_onehot([3, 1, 6]), gens(3))
+    assert (n, nxt) == (2, 6)
+
+
+def test_sampling_first_token_rejected_takes_residual():
+    # The target gives the draft's token zero mass: certain rejection; residual is all on 5.
+    draft = torch.tensor([3, 1])
+    n, nxt = verify_sampling(draft, probs_onehot([3, 1]), probs_onehot([5, 1, 6]), gens(3))
+    assert (n, nxt) == (0, 5)
+
+
+def test_sampling_empty_block_samples_from_target():
+    n, nxt = verify_sampling(torch.tensor([], dtype=torch.long), torch.zeros(0, 8),
+                             probs_onehot([4]), gens(1))
+    assert (n, nxt) == (0, 4)
+
+
+def test_sampling_zero_draft_probability_is_rejected_not_divided():
+    # A broken draft claims q(x) = 0 for its own token: reject, never divide by zero.
+    target = torch.full((2, 8), 1 / 8)
+    n, nxt = verify_sampling(torch.tensor([2]), torch.zeros(1, 8), target, gens(2))
+    assert n == 0 and 0 <= nxt < 8
+
+
+def test_sampling_is_seeded():
+    torch.manual_seed(0)
+    target = torch.rand(4, 8).softmax(-1)
+    draft_probs = torch.rand(3, 8).softmax(-1)
+    draft = torch.tensor([1, 2, 3])
+    a = verify_sampling(draft, draft_probs, target, gens(4, seed=7))
+    b = verify_sampling(draft, draft_probs, target, gens(4, seed=7))
+    assert a == b
+
+
+# -- sampling, statistics --------------------------------------------------------------------
+
+def emitted_first_token_distribution(target_p, draft_q, n_samples, seed):
+    """Empirical distribution of the first emitted token of a k=1 round."""
+    vocab = target_p.shape[-1]
+    counts = torch.zeros(vocab)
+    g = torch.Generator().manual_seed(seed)
+    for s in range(n_samples):
+        x = int(torch.multinomial(draft_q, 1, generator=g))
+        target = torch.stack([target_p, target_p])  # [k + 1, vocab]
+        n, nxt = verify_sampling(torch.tensor([x]), draft_q[None], target,
+                                 [position_generator(seed, 2 * s + i, "target") for i in range(2)])
+        counts[x if n == 1 else nxt] += 1
+    return counts / n_samples
+
+
+CASES = {
+    "different": (torch.tensor([0.5, 0.2, 0.2, 0.1, 0.0]), torch.tensor([0.1, 0.1, 0.3, 0.2, 0.3])),
+    "draft_equals_target": (torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0]),
+                            torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0])),
+    # the draft puts mass (0.6) on token 4, where the target has none
+    "draft_mass_where_target_has_none": (torch.tensor([0.3, 0.3, 0.4, 0.0, 0.0]),
+                                         torch.tensor([0.1, 0.1, 0.1, 0.1, 0.6])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sampling_preserves_the_target_distribution(case):
+    target_p, draft_q = CASES[case]
+    tv = {}
+    for n in (500, 8000):
+        emp = emitted_first_token_distribution(target_p, draft_q, n, seed=11)
+        tv[n] = 0.5 * float((emp - target_p).abs().sum())
+        # the bound shrinks with samples like 1/sqrt(n) (about 3.5 standard deviations)
+        assert tv[n] < 1.75 * (len(target_p) / n) ** 0.5, (case, n, tv[n])
+    assert float(emp[target_p == 0].sum()) == 0.0  # never emits what the target cannot

@@ -1,0 +1,79 @@
+"""The ragged engine computes what transformers computes, alone or batched, with rollback."""
+
+import pytest
+import torch
+
+from specdec.engine import KVCache, LlamaEngine
+from specdec.models import load_hf_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_models):
+    model, tok = load_hf_model(tiny_models["target"])
+    return model, LlamaEngine.from_hf(model, fast_linear=True), LlamaEngine.from_hf(model, fast_linear=False)
+
+
+def hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("which", [1, 2])
+def test_prefill_and_steps_match_transformers(tiny, which):
+    model, engine = tiny[0], tiny[which]
+    ids = list(range(100, 140))
+    ref = hf_logits(model, ids)  # [40, vocab]
+    cache = engine.new_cache()
+    out = engine.forward([cache], [torch.tensor(ids[:30])], [30])[0]
+    torch.testing.assert_close(out, ref[:30], atol=2e-4, rtol=1e-3)
+    for i in range(30, 40):  # one token at a time, against the cache
+        step = engine.forward([cache], [torch.tensor([ids[i]])], [1])[0]
+        torch.testing.assert_close(step[0], ref[i], atol=2e-4, rtol=1e-3)
+    assert cache.length == 40
+
+
+def test_ragged_batch_equals_each_session_alone(tiny):
+    engine = tiny[1]
+    seqs = [list(range(5, 25)), list(range(300, 307)), [42]]
+    news = [[7, 8, 9], [11], [12, 13, 14, 15, 16]]
+    solo = []
+    for s, n in zip(seqs, news):
+        c = engine.new_cache()
+        engine.forward([c], [torch.tensor(s)], [1])
+        solo.append(engine.forward([c], [torch.tensor(n)], [len(n)])[0])
+    caches = [engine.new_cache() for _ in seqs]
+    engine.forward(caches, [torch.tensor(s) for s in seqs], [1, 1, 1])
+    batched = engine.forward(caches, [torch.tensor(n) for n in news], [len(n) for n in news])
+    for a, b in zip(solo, batched):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_truncate_rolls_back_exactly(tiny):
+    engine = tiny[1]
+    c = engine.new_cache()
+    engine.forward([c], [torch.tensor(list(range(50, 70)))], [1])
+    first = engine.forward([c], [torch.tensor([1, 2, 3])], [3])[0]
+    c.truncate(20)  # drop the 3 tokens, as a rejected block is dropped
+    engine.forward([c], [torch.tensor([9, 9])], [2])
+    c.truncate(20)
+    again = engine.forward([c], [torch.tensor([1, 2, 3])], [3])[0]
+    torch.testing.assert_close(first, again, atol=1e-5, rtol=1e-5)
+
+
+def test_cache_grows_and_refuses_past_the_context(tiny):
+    engine = tiny[1]
+    c = engine.new_cache()
+    engine.forward([c], [torch.arange(200)], [0])
+    assert c.capacity >= 200 and c.nbytes > 0
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        c.ensure(engine.arch.max_context + 1)
+
+
+def test_unsupported_architecture_is_refused():
+    from types import SimpleNamespace
+
+    from specdec.engine import ArchConfig
+
+    with pytest.raises(ValueError, match="not supported"):
+        ArchConfig.from_hf(SimpleNamespace(model_type="gpt2"))
