@@ -1,0 +1,61 @@
+"""The real default pair through the real CLI: speculative output equals the target's own."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CHAT_PROMPTS, hf_greedy
+
+pytestmark = pytest.mark.real
+
+MAX_NEW = 48
+
+
+def specdec_json(tmp_path, *args, prompts=CHAT_PROMPTS):
+    pf = tmp_path / "prompts.txt"
+    pf.write_text("\n".join(prompts) + "\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "generate", "--json", "--prompt-file", str(pf),
+         "--max-new-tokens", str(MAX_NEW), *args],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def target_only(tmp_path_factory):
+    return specdec_json(tmp_path_factory.mktemp("t"), "--mode", "target-only")
+
+
+def test_target_only_equals_transformers_generate(target_only):
+    from orchestrator.cli import encode_prompt
+    from specdec.models import load_tokenizer
+
+    tok = load_tokenizer("default")
+    for row, prompt in zip(target_only, CHAT_PROMPTS):
+        ref = hf_greedy("default", encode_prompt(tok, prompt, None), MAX_NEW)
+        assert row["token_ids"] == ref[: len(row["token_ids"])]
+        assert row["draft_tokens"] == 0 and row["completion_tokens"] == len(row["token_ids"])
+
+
+def test_self_draft_is_identical_with_acceptance_one(tmp_path, target_only):
+    rows = specdec_json(tmp_path, "--mode", "spec", "--draft", "default", "--k", "4")
+    for row, ref in zip(rows, target_only):
+        assert row["token_ids"] == ref["token_ids"]
+        assert row["acceptance_rate"] == 1.0
+        assert row["mean_tokens_per_round"] > 4.0 or row["finish_reason"] == "stop"
+        for key in ("text", "prompt_tokens", "completion_tokens", "rounds", "draft_tokens",
+                    "accepted_tokens", "tokens_per_s", "wall_s", "mode", "k_mean",
+                    "overlap_efficiency", "time_split"):
+            assert key in row
+
+
+@pytest.mark.parametrize("mode", ["spec", "pipelined"])
+def test_default_draft_is_identical(tmp_path, target_only, mode):
+    rows = specdec_json(tmp_path, "--mode", mode)
+    for row, ref in zip(rows, target_only):
+        assert row["token_ids"] == ref["token_ids"], row["prompt"]
+        assert row["rounds"] > 0 and row["mode"] == mode
