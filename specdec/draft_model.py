@@ -51,7 +51,12 @@ def target_embedding(target: str) -> torch.Tensor:
 
     path = resolve_model_dir(target) / "model.safetensors"
     with safe_open(str(path), framework="pt") as f:
-        return f.get_tensor("model.embed_tokens.weight").float()
+        names = set(f.keys())
+        # Tied models may be saved with only one of the two names.
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            if name in names:
+                return f.get_tensor(name).float()
+    raise KeyError(f"{path} holds no input embedding")
 
 
 def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -180,3 +185,11 @@ class DraftModule(nn.Module):
             gate, up = F.linear(h, self.params[p + "w_gate_up"]).chunk(2, -1)
             x = x + F.linear(F.silu(gate) * up, self.params[p + "w_down"])
         return F.linear(self._norm(x, self.params["norm"]), self.params["head"])
+
+
+def update_card(path, card: dict) -> None:
+    """Replace the recipe card in a draft directory's metadata (after evaluation)."""
+    meta_path = pathlib.Path(path) / META_FILE
+    meta = json.loads(meta_path.read_text())
+    meta["card"] = card
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")

@@ -1,0 +1,316 @@
+"""``specdec distill``: build a draft for a target by distillation, and evaluate drafts.
+
+Recipe (what measured best here, see docs/draft.md):
+1. data: the target answers hundreds of shipped prompts (greedy and sampled), keeping its
+   top-32 log-probs per answer token (specdec.distill_data), optionally plus plain text files
+   scored by the target (teacher forcing);
+2. vocabulary: the draft's head covers the N tokens the target writes most (exact: the draft's
+   q is zero elsewhere, and q is what it samples from);
+3. model: a few Llama layers initialised from target layers, the target's frozen input
+   embedding, the head initialised from the target's embedding rows;
+4. loss: cross-entropy to the target's renormalised top-32 distribution (forward KL);
+5. evaluation on held-out prompts (topics never in training): greedy acceptance, simulated
+   tokens per round for k = 1..8, measured cost ratio, predicted speedups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import random
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specdec import draft_model
+from specdec.draft_model import DraftModule
+from specdec.engine import ArchConfig, LlamaEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Recipe:
+    target: str = "default"
+    layers: tuple[int, ...] = (0, 29)  # target layers the draft's layers start from
+    vocab: int = 8192
+    max_len: int = 384
+    batch: int = 16
+    steps: int = 600
+    lr: float = 1e-3
+    warmup: int = 30
+    weight_decay: float = 0.0
+    seed: int = 0
+    train_embed: bool = False
+
+
+# -- data -------------------------------------------------------------------------------------
+
+
+def build_vocab(records: list[dict], size: int, eos_ids: list[int]) -> torch.Tensor:
+    """The ``size`` token ids the target writes most (EOS always in), most frequent first."""
+    counts: dict[int, int] = {}
+    for r in records:
+        for t in r["answer"].tolist():
+            counts[t] = counts.get(t, 0) + 1
+        for t in r["top_ids"][:, :4].flatten().tolist():  # near-misses matter for q too
+            counts[t] = counts.get(t, 0) + 0  # present, but ranked after written tokens
+    order = sorted(counts, key=lambda t: -counts[t])
+    ids = [t for t in eos_ids] + [t for t in order if t not in eos_ids]
+    return torch.tensor(ids[:size], dtype=torch.long)
+
+
+def coverage(records: list[dict], vocab_map: torch.Tensor) -> float:
+    inside = torch.zeros(int(vocab_map.max()) + 1 if len(vocab_map) else 1, dtype=torch.bool)
+    inside[vocab_map] = True
+    hit = total = 0
+    for r in records:
+        a = r["answer"].long()
+        ok = a < inside.shape[0]
+        hit += int(inside[a[ok]].sum())
+        total += len(a)
+    return hit / max(total, 1)
+
+
+class Examples:
+    """Training sequences with soft targets over the draft vocabulary."""
+
+    def __init__(self, records: list[dict], vocab_map: torch.Tensor, vocab_size: int, max_len: int):
+        self.to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
+        self.to_draft[vocab_map] = torch.arange(len(vocab_map))
+        self.items = []
+        for r in records:
+            prompt, answer = r["prompt"].long(), r["answer"].long()
+            seq = torch.cat([prompt, answer])[:max_len]
+            n_ans = len(seq) - len(prompt)
+            if n_ans <= 0:
+                continue
+            self.items.append((seq, len(prompt), r["top_ids"][:n_ans].long(),
+                               r["top_logprobs"][:n_ans].float()))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def batch(self, idx: list[int]):
+        """(tokens [b, t], positions' soft targets: rows [n], cols [n, 32], probs [n, 32])."""
+        items = [self.items[i] for i in idx]
+        t = max(len(s) for s, *_ in items)
+        tokens = torch.zeros(len(items), t, dtype=torch.long)
+        rows, tgt_ids, tgt_lp = [], [], []
+        for b, (seq, n_prompt, top_ids, top_lp) in enumerate(items):
+            tokens[b, : len(seq)] = seq
+            # logits at position p predict token p + 1: answer token j is predicted at
+            # position n_prompt - 1 + j
+            pos = torch.arange(n_prompt - 1, n_prompt - 1 + len(top_ids))
+            rows.append(b * t + pos)
+            tgt_ids.append(self.to_draft[top_ids])
+            tgt_lp.append(top_lp)
+        return tokens, torch.cat(rows), torch.cat(tgt_ids), torch.cat(tgt_lp)
+
+
+def soft_target_loss(logits: torch.Tensor, rows, tgt_ids, tgt_lp) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-entropy to the target's top-N distribution renormalised over the draft vocab.
+
+    logits: [b, t, vocab_out]; rows: [n] flat positions; tgt_ids/tgt_lp: [n, top] (ids -1 =
+    outside the draft vocabulary, dropped). Returns (loss, top-1 agreement on these rows).
+    """
+    flat = logits.reshape(-1, logits.shape[-1])[rows]  # [n, vocab_out]
+    logq = flat.float().log_softmax(-1)
+    valid = tgt_ids >= 0
+    p = torch.where(valid, tgt_lp.exp(), torch.zeros_like(tgt_lp))
+    p = p / p.sum(-1, keepdim=True).clamp_min(1e-9)
+    gathered = logq.gather(1, tgt_ids.clamp_min(0))  # [n, top]
+    loss = -(p * gathered).sum(-1)
+    keep = valid.any(-1)
+    agree = (flat.argmax(-1) == tgt_ids[:, 0]) & (tgt_ids[:, 0] >= 0)
+    return loss[keep].mean(), agree.float().mean()
+
+
+# -- model ------------------------------------------------------------------------------------
+
+
+def init_from_target(recipe: Recipe, vocab_map: torch.Tensor) -> tuple[DraftModule, ArchConfig]:
+    from specdec.engine import canonical_weights
+    from specdec.models import load_hf_model
+
+    model, _ = load_hf_model(recipe.target)
+    arch_t = ArchConfig.from_hf(model.config)
+    weights = canonical_weights(model.state_dict(), arch_t)
+    arch = dataclasses.replace(arch_t, num_layers=len(recipe.layers))
+    init = {"norm": weights["norm"], "head": weights["head"][vocab_map]}
+    for i, src in enumerate(recipe.layers):
+        for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+            init[f"layers.{i}.{name}"] = weights[f"layers.{src}.{name}"]
+    module = DraftModule(arch, weights["embed"].clone(), vocab_map)
+    module.load_canonical(init)
+    del model
+    return module, arch
+
+
+# -- training ---------------------------------------------------------------------------------
+
+
+def train(module: DraftModule, examples: Examples, recipe: Recipe, ckpt: pathlib.Path | None,
+          held_out: Examples | None = None) -> dict:
+    """AdamW with warmup + cosine decay; resumable from ``ckpt``. Returns training figures."""
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay,
+                            betas=(0.9, 0.98))
+    step = 0
+    if ckpt is not None and ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        module.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["opt"])
+        step = state["step"]
+        log.info("resumed training at step %d", step)
+    rng = random.Random(recipe.seed + step)
+    # bucket by length so padding stays small
+    order = sorted(range(len(examples)), key=lambda i: len(examples.items[i][0]))
+    batches = [order[i : i + recipe.batch] for i in range(0, len(order), recipe.batch)]
+
+    def lr_at(s: int) -> float:
+        if s < recipe.warmup:
+            return recipe.lr * (s + 1) / recipe.warmup
+        frac = (s - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+        return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+    module.train()
+    ema_loss = ema_agree = None
+    bar = tqdm(total=recipe.steps, initial=step, desc="distill", unit="step")
+    pool: list[list[int]] = []
+    while step < recipe.steps:
+        if not pool:
+            pool = list(batches)
+            rng.shuffle(pool)
+        idx = pool.pop()
+        tokens, rows, tgt_ids, tgt_lp = examples.batch(idx)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        logits = module(tokens)
+        loss, agree = soft_target_loss(logits, rows, tgt_ids, tgt_lp)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        ema_loss = loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * loss.item()
+        ema_agree = agree.item() if ema_agree is None else 0.95 * ema_agree + 0.05 * agree.item()
+        bar.set_postfix(loss=f"{ema_loss:.3f}", top1=f"{ema_agree:.3f}")
+        bar.update(1)
+        if ckpt is not None and (step % 50 == 0 or step == recipe.steps):
+            tmp = ckpt.with_suffix(".tmp")
+            torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+            tmp.rename(ckpt)
+    bar.close()
+    module.eval()
+    out = {"steps": step, "train_loss_ema": ema_loss, "train_top1_ema": ema_agree}
+    if held_out is not None:
+        out["held_out_top1"] = teacher_forced_agreement(module, held_out)
+    return out
+
+
+@torch.no_grad()
+def teacher_forced_agreement(module: DraftModule, examples: Examples, batch: int = 16) -> float:
+    hit = n = 0
+    for i in range(0, len(examples), batch):
+        tokens, rows, tgt_ids, _ = examples.batch(list(range(i, min(i + batch, len(examples)))))
+        pred = module(tokens).reshape(-1, module.vocab_map.shape[0])[rows].argmax(-1)
+        hit += int((pred == tgt_ids[:, 0]).sum())
+        n += len(rows)
+    return hit / max(n, 1)
+
+
+# -- evaluation -------------------------------------------------------------------------------
+
+
+def simulate_tokens_per_round(agree: list[list[bool]], k: int) -> float:
+    """Mean tokens per round of greedy speculation at block k along each sequence.
+
+    agree[s][j]: the draft's argmax equals the target's at answer position j of sequence s
+    (teacher-forced on the target's own greedy continuation, which is what greedy
+    speculation commits).
+    """
+    tokens = rounds = 0
+    for row in agree:
+        j = 0
+        while j < len(row):
+            run = 0
+            while run < k and j + run < len(row) and row[j + run]:
+                run += 1
+            step = min(run + 1, len(row) - j)
+            tokens += step
+            rounds += 1
+            j += step
+    return tokens / max(rounds, 1)
+
+
+def measure_cost_ratio(draft_engine: LlamaEngine, target_engine: LlamaEngine, reps: int = 15,
+                       context: int = 128) -> dict:
+    """Median ms of a one-token draft step, a one-token target step and a 5-token verify pass.
+
+    The three are measured interleaved, rep by rep, so machine drift hits them alike.
+    """
+    prompt = torch.arange(context) % 1000 + 10
+    d_cache, t_cache = draft_engine.new_cache(), target_engine.new_cache()
+    draft_engine.forward([d_cache], [prompt], [1])
+    target_engine.forward([t_cache], [prompt], [1])
+
+    def timed(engine, cache, n):
+        cache.truncate(context)
+        t0 = time.perf_counter()
+        engine.forward([cache], [torch.arange(n) + 100], [n])
+        return (time.perf_counter() - t0) * 1000
+
+    for _ in range(2):  # warm-up
+        timed(draft_engine, d_cache, 1), timed(target_engine, t_cache, 1)
+        timed(target_engine, t_cache, 5)
+    d, t, t5 = [], [], []
+    for _ in range(reps):
+        d.append(timed(draft_engine, d_cache, 1))
+        t.append(timed(target_engine, t_cache, 1))
+        t5.append(timed(target_engine, t_cache, 5))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    d_ms, t_ms, t5_ms = med(d), med(t), med(t5)
+    return {"draft_ms": d_ms, "target_ms": t_ms, "cost_ratio": d_ms / t_ms, "target_5_ms": t5_ms,
+            "verify5_over_1": t5_ms / t_ms}
+
+
+def evaluate(draft_dir: str, held_out: list[dict], threads: int = 1) -> dict:
+    """Held-out figures of a draft: acceptance, tokens per round k=1..8, cost, speedups."""
+    from orchestrator.adaptive import expected_tokens  # noqa: F401  (same model as the loop)
+    from specdec.loading import load_engine
+
+    torch.set_num_threads(threads)
+    meta = draft_model.read_meta(draft_dir)
+    d_engine, _, _ = load_engine(draft_dir, torch.device("cpu"), True)
+    t_engine, _, _ = load_engine(meta["target"], torch.device("cpu"), True)
+    agree_rows = []
+    for r in held_out:
+        prompt, answer = r["prompt"].long(), r["answer"].long()
+        cache = d_engine.new_cache()
+        seq = torch.cat([prompt, answer])
+        logits = d_engine.forward([cache], [seq[:-1]], [len(answer)])[0]  # [answer, vocab_out]
+        pred = d_engine.token_ids(logits.argmax(-1))
+        target_greedy = r["top_ids"][:, 0].long()  # the target's argmax at each answer position
+        agree_rows.append((pred == target_greedy).tolist())
+    n = sum(len(a) for a in agree_rows)
+    acceptance = sum(sum(a) for a in agree_rows) / max(n, 1)
+    tpr = {k: simulate_tokens_per_round(agree_rows, k) for k in range(1, 9)}
+    cost = measure_cost_ratio(d_engine, t_engine)
+    c, v5 = cost["cost_ratio"], cost["verify5_over_1"]
+    # Predicted speedups over target-only at k = 4 (verify of 5 tokens costs v5 target steps):
+    seq_speedup = tpr[4] / (4 * c + v5)
+    pipe_speedup = tpr[4] / max(v5, 5 * c)
+    return {
+        "held_out_tokens": n,
+        "greedy_acceptance": round(acceptance, 4),
+        "tokens_per_round": {str(k): round(v, 3) for k, v in tpr.items()},
+        "cost": {k: round(v, 3) for k, v in cost.items()},
+        "predicted_speedup_k4": {"sequential": round(seq_speedup, 3),
+                                 "pipelined_upper_bound": round(pipe_speedup, 3)},
+    }

@@ -1,0 +1,181 @@
+"""``specdec distill`` and ``specdec eval-draft`` (command-line front of specdec.distill)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import time
+
+log = logging.getLogger(__name__)
+
+
+def register(sub) -> None:
+    d = sub.add_parser("distill", help="build a draft model for a target by distillation")
+    d.add_argument("--target", default="default")
+    d.add_argument("--out", default="runs/distill", help="work directory (resumable)")
+    d.add_argument("--prompts", type=int, default=3200, help="training prompts (shipped set)")
+    d.add_argument("--max-new-tokens", type=int, default=192, help="per target answer")
+    d.add_argument("--temperatures", default="0,0.8",
+                   help="one answer per prompt at each temperature (0 = greedy)")
+    d.add_argument("--gen-batch", type=int, default=96, help="answers generated at once")
+    d.add_argument("--text-files", nargs="*", default=[],
+                   help="plain text files to add, scored by the target (teacher forcing)")
+    d.add_argument("--heldout-prompts", type=int, default=48)
+    d.add_argument("--skip-data", action="store_true",
+                   help="train on the shards already generated, generate no more")
+    d.add_argument("--vocab", type=int, default=8192, help="draft head vocabulary size")
+    d.add_argument("--layers", default="0,29", help="target layers to initialise from")
+    d.add_argument("--steps", type=int, default=600)
+    d.add_argument("--batch", type=int, default=16)
+    d.add_argument("--lr", type=float, default=1e-3)
+    d.add_argument("--max-len", type=int, default=384)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
+    d.add_argument("--draft-out", help="where to write the draft (default: OUT/draft)")
+    d.set_defaults(func=cmd_distill)
+
+    e = sub.add_parser("eval-draft", help="held-out evaluation of a draft for its target")
+    e.add_argument("--draft", default="default-draft")
+    e.add_argument("--heldout-prompts", type=int, default=48)
+    e.add_argument("--max-new-tokens", type=int, default=192)
+    e.add_argument("--work", default="runs/distill", help="held-out data cache directory")
+    e.add_argument("--threads", type=int, default=1)
+    e.set_defaults(func=cmd_eval)
+
+
+def _engine_and_tokenizer(target: str):
+    import torch
+
+    from specdec.loading import load_engine
+
+    engine, tokenizer, config = load_engine(target, torch.device("cpu"), True)
+    from specdec.tokenizer import eos_token_ids
+
+    return engine, tokenizer, set(eos_token_ids(tokenizer, config))
+
+
+def held_out_records(target: str, work: pathlib.Path, n_prompts: int, max_new: int,
+                     engine=None, tokenizer=None, eos=None) -> list[dict]:
+    """The target's greedy answers to the held-out prompts (cached in WORK/heldout)."""
+    from specdec.distill_data import load_shards, write_shards
+    from specdec.distill_prompts import held_out_conversations
+
+    if engine is None:
+        engine, tokenizer, eos = _engine_and_tokenizer(target)
+    shards = write_shards(engine, tokenizer, held_out_conversations(n_prompts),
+                          work / "heldout", eos, max_new_tokens=max_new, batch_size=48,
+                          temperatures=(0.0,), prompts_per_shard=n_prompts)
+    return load_shards(shards)
+
+
+def score_text_files(engine, tokenizer, files: list[str], out: pathlib.Path,
+                     chunk: int = 256, top_n: int = 32) -> list[pathlib.Path]:
+    """Teacher-forced target top-N log-probs over plain text, as distillation records."""
+    import torch
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i, f in enumerate(files):
+        path = out / f"text-{i:05d}.pt"
+        paths.append(path)
+        if path.exists():
+            continue
+        ids = tokenizer(pathlib.Path(f).read_text(errors="replace"))["input_ids"]
+        records = []
+        for s in tqdm(range(0, max(len(ids) - 1, 1), chunk), desc=f"scoring {f}", unit="chunk"):
+            seq = ids[s : s + chunk + 1]
+            if len(seq) < 2:
+                continue
+            cache = engine.new_cache()
+            logits = engine.forward([cache], [torch.tensor(seq[:-1])], [len(seq) - 1])[0]
+            top = logits.log_softmax(-1).topk(top_n)
+            records.append(dict(prompt=torch.tensor(seq[:1], dtype=torch.int32),
+                                answer=torch.tensor(seq[1:], dtype=torch.int32),
+                                top_ids=top.indices.to(torch.int32),
+                                top_logprobs=top.values.to(torch.float16),
+                                temperature=-1.0, conversation=-1))
+        torch.save(records, path)
+    return paths
+
+
+def cmd_distill(args) -> int:
+    import torch
+
+    from specdec import distill
+    from specdec.distill_data import load_shards, write_shards
+    from specdec.distill_prompts import train_conversations
+    from specdec import draft_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = pathlib.Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    engine, tokenizer, eos = _engine_and_tokenizer(args.target)
+    temps = tuple(float(t) for t in args.temperatures.split(","))
+    if args.skip_data:
+        shards = sorted((work / "data").glob("shard-*.pt"))
+    else:
+        shards = write_shards(engine, tokenizer, train_conversations(args.prompts), work / "data",
+                              eos, max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
+                              temperatures=temps, seed=args.seed)
+    shards += score_text_files(engine, tokenizer, args.text_files, work / "text")
+    held = held_out_records(args.target, work, args.heldout_prompts, args.max_new_tokens,
+                            engine, tokenizer, eos)
+    data_s = time.time() - t0
+    del engine
+    records = load_shards(shards)
+    n_tokens = sum(len(r["answer"]) for r in records)
+    print(f"training data: {len(records)} answers, {n_tokens} target tokens")
+    recipe = distill.Recipe(target=args.target, layers=tuple(int(x) for x in args.layers.split(",")),
+                            vocab=args.vocab, max_len=args.max_len, batch=args.batch,
+                            steps=args.steps, lr=args.lr, seed=args.seed)
+    torch.manual_seed(args.seed)
+    vocab_map = distill.build_vocab(records, recipe.vocab, sorted(eos))
+    vocab_size = len(tokenizer)
+    examples = distill.Examples(records, vocab_map, vocab_size, recipe.max_len)
+    held_ex = distill.Examples(held, vocab_map, vocab_size, recipe.max_len)
+    module, arch = distill.init_from_target(recipe, vocab_map)
+    t1 = time.time()
+    figures = distill.train(module, examples, recipe, work / "train.ckpt", held_ex)
+    train_s = time.time() - t1
+    out_dir = pathlib.Path(args.draft_out or work / "draft")
+    card = {
+        "recipe": {k: (list(v) if isinstance(v, tuple) else v)
+                   for k, v in vars(recipe).items()},
+        "data": {"answers": len(records), "target_tokens": n_tokens,
+                 "prompts": args.prompts, "temperatures": list(temps),
+                 "text_files": args.text_files,
+                 "vocab_coverage_train": round(distill.coverage(records, vocab_map), 4),
+                 "vocab_coverage_held_out": round(distill.coverage(held, vocab_map), 4)},
+        "training": figures,
+        "time_s": {"data": round(data_s, 1), "train": round(train_s, 1)},
+        "command": "specdec distill " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if k in ("prompts", "vocab", "layers", "steps", "batch", "lr", "seed",
+                     "max_new_tokens", "temperatures")),
+    }
+    draft_model.save(out_dir, arch, module.canonical(), vocab_map, args.target, card)
+    card["held_out"] = distill.evaluate(str(out_dir), held)
+    draft_model.update_card(out_dir, card)
+    (work / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(card["held_out"], indent=2))
+    print(f"draft written to {out_dir}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from specdec import distill, draft_model
+    from specdec.loading import resolve_draft_spec
+
+    spec = resolve_draft_spec(args.draft, "default")
+    if not draft_model.is_draft_dir(spec):
+        raise SystemExit(f"error: {args.draft!r} is not a specdec draft directory")
+    meta = draft_model.read_meta(spec)
+    held = held_out_records(meta["target"], pathlib.Path(args.work), args.heldout_prompts,
+                            args.max_new_tokens)
+    print(json.dumps(distill.evaluate(spec, held, threads=args.threads), indent=2))
+    return 0

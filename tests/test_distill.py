@@ -1,0 +1,88 @@
+"""`specdec distill` end to end on a tiny budget, and the n-gram drafter's proposals."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ServiceThread, hf_greedy, run
+from specdec.drafting import lookup
+
+
+def test_distill_end_to_end_makes_a_loadable_exact_draft(tmp_path, tiny_models, tiny_services):
+    target = tiny_models["target"]
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "distill", "--target", target,
+         "--out", str(tmp_path / "work"), "--prompts", "6", "--max-new-tokens", "16",
+         "--temperatures", "0,1", "--gen-batch", "8", "--heldout-prompts", "2",
+         "--layers", "0,1", "--vocab", "600", "--steps", "4", "--batch", "4", "--threads", "1"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    draft_dir = tmp_path / "work" / "draft"
+    meta = json.loads((draft_dir / "draft.json").read_text())
+    card = meta["card"]
+    assert card["data"]["answers"] == 12  # 6 prompts x 2 temperatures
+    assert card["training"]["steps"] == 4
+    held = card["held_out"]
+    assert 0.0 <= held["greedy_acceptance"] <= 1.0 and held["held_out_tokens"] > 0
+    assert set(held["tokens_per_round"]) == {str(k) for k in range(1, 9)}
+    assert meta["vocab_out"] == 600
+    # the file stores no input embedding: it is read from the target
+    from safetensors import safe_open
+
+    with safe_open(str(draft_dir / "weights.safetensors"), "pt") as f:
+        assert "embed" not in f.keys() and "vocab_map" in f.keys()
+
+    # resumable: a second run with the same work dir trains no further and rewrites the draft
+    again = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "distill", "--target", target,
+         "--out", str(tmp_path / "work"), "--skip-data", "--heldout-prompts", "2",
+         "--max-new-tokens", "16", "--layers", "0,1", "--vocab", "600", "--steps", "4",
+         "--batch", "4", "--threads", "1"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+
+    # the distilled draft serves, and speculative greedy output stays the target's
+    from test_services import PROMPTS, _generate
+
+    svc = ServiceThread("draft", str(draft_dir), target=target)
+    try:
+        services = dict(tiny_services, distilled=svc)
+        for prompt in PROMPTS[:2]:
+            result = run(_generate(services, "distilled", prompt, "pipelined", 3, max_new=24))
+            assert result.token_ids == hf_greedy(target, prompt, 24)
+            assert result.stats.draft_tokens > 0
+    finally:
+        svc.stop()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_ngram_proposals_are_exact_substrings_of_the_history(seed):
+    import random
+
+    rng = random.Random(seed)
+    history = [rng.randrange(6) for _ in range(rng.randrange(2, 60))]
+    k = rng.randrange(1, 8)
+    proposal = lookup(history, k, max_ngram=4)
+    assert len(proposal) <= k
+    if proposal:
+        # some earlier occurrence of a history suffix is followed by exactly the proposal
+        found = any(
+            history[j : j + n] == history[-n:] and history[j + n : j + n + len(proposal)] == proposal
+            for n in range(1, 5) for j in range(len(history) - n)
+        )
+        assert found
+    else:
+        assert history[-1] not in history[:-1]  # nothing to look up
+
+
+def test_ngram_drafter_proposes_from_a_repetitive_prompt_and_stays_exact(tiny_services):
+    from test_services import _generate
+
+    prompt = [5, 6, 7, 8] * 10
+    result = run(_generate(tiny_services, "ngram", prompt, "spec", 4))
+    assert result.stats.draft_tokens > 0  # the repeated prompt gives the lookup matches
+    assert result.token_ids == hf_greedy(tiny_services["target"].config.model, prompt, 40)
