@@ -1,0 +1,76 @@
+"""``specdec serve``: the OpenAI-compatible HTTP server (uvicorn) over a draft/target pair."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    from orchestrator.cli import add_generation_arguments, add_pair_arguments
+
+    s = subparsers.add_parser(
+        "serve", help="serve the OpenAI-compatible HTTP API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                    "/metrics. Without --target-addr/--draft-addr the two services are started "
+                    "as local processes. The generation flags are the defaults for what a "
+                    "request leaves out.")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 = a free port (see --port-file)")
+    s.add_argument("--port-file", help="write the bound port to this file once serving")
+    s.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every path but /health "
+                        "(default: $SPECDEC_API_KEY; unset = no key)")
+    s.add_argument("--model-name", default="specdec",
+                   help="the model id clients send and /v1/models lists")
+    s.add_argument("--log-level", default="INFO",
+                   help="INFO logs one line per request (default)")
+    add_generation_arguments(s)
+    add_pair_arguments(s)
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from orchestrator.api import ServeDefaults, create_app
+    from orchestrator.cli import Pair
+
+    try:
+        defaults = ServeDefaults(max_tokens=args.max_new_tokens, temperature=args.temperature,
+                                 top_p=args.top_p, top_k=args.top_k, mode=args.mode, k=args.k,
+                                 stop=list(args.stop))
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}")
+
+    async def serve() -> None:
+        async with Pair(args) as orch:
+            app = create_app(orch, args.model_name, api_key=args.api_key, defaults=defaults)
+            # Our own logging config and per-request line (orchestrator.api), not uvicorn's.
+            config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
+                                    access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+            server = uvicorn.Server(config)
+            task = asyncio.ensure_future(server.serve())
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if server.started:
+                port = server.servers[0].sockets[0].getsockname()[1]
+                if args.port_file:
+                    tmp = args.port_file + ".tmp"
+                    with open(tmp, "w") as f:
+                        f.write(str(port))
+                    os.replace(tmp, args.port_file)  # readers never see a partial file
+                print(f"specdec serve: model {args.model_name!r} on http://{args.host}:{port}/v1",
+                      file=sys.stderr, flush=True)
+            await task
+
+    try:
+        asyncio.run(serve())
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}")
+    return 0
+
