@@ -87,11 +87,18 @@ class Pair:
                 draft=a.draft if want_draft and draft_addr is None else None,
                 threads=a.threads,
             )
-            await asyncio.get_running_loop().run_in_executor(None, self.local.__enter__)
-            target_addr = target_addr or self.local.target_addr
-            draft_addr = draft_addr or self.local.draft_addr
-        self.orch = await connect(target_addr, draft_addr if want_draft else None,
-                                  tokenizer_spec=a.tokenizer or a.target, tls=tls_from_args(a))
+        try:
+            if self.local is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.local.__enter__)
+                target_addr = target_addr or self.local.target_addr
+                draft_addr = draft_addr or self.local.draft_addr
+            self.orch = await connect(target_addr, draft_addr if want_draft else None,
+                                      tokenizer_spec=a.tokenizer or a.target,
+                                      tls=tls_from_args(a))
+        except BaseException:  # failed or cancelled start: __aexit__ will not run
+            if self.local is not None:
+                self.local.stop()
+            raise
         return self.orch
 
     async def __aexit__(self, *exc):
