@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 import sys
 
 log = logging.getLogger(__name__)
@@ -18,7 +20,8 @@ def register(subparsers) -> None:
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
                     "/metrics. Without --target-addr/--draft-addr the two services are started "
                     "as local processes. The generation flags are the defaults for what a "
-                    "request leaves out.")
+                    "request leaves out (but --seed: a request without a seed gets a fresh "
+                    "one).")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000, help="0 = a free port (see --port-file)")
     s.add_argument("--port-file", help="write the bound port to this file once serving")
@@ -47,13 +50,34 @@ def cmd_serve(args) -> int:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
 
+    class Server(uvicorn.Server):
+        # uvicorn re-raises SIGINT/SIGTERM after its shutdown, which would end the process
+        # before Pair stops the local services: serve() below handles the signals instead.
+        def capture_signals(self):
+            return contextlib.nullcontext()
+
     async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        main = asyncio.current_task()
+        server: Server | None = None
+
+        def on_signal() -> None:
+            if server is None:
+                main.cancel()  # still starting: Pair stops what it started
+            elif server.should_exit:
+                server.force_exit = True  # a second signal: do not wait for open requests
+            else:
+                server.should_exit = True
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
         async with Pair(args) as orch:
             app = create_app(orch, args.model_name, api_key=args.api_key, defaults=defaults)
-            # Our own logging config and per-request line (orchestrator.api), not uvicorn's.
+            # Our logging config and per-request line (orchestrator.api), not uvicorn's.
             config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
-                                    access_log=False, lifespan="off", timeout_graceful_shutdown=5)
-            server = uvicorn.Server(config)
+                                    access_log=False, lifespan="off",
+                                    timeout_graceful_shutdown=5)
+            server = Server(config)
             task = asyncio.ensure_future(server.serve())
             while not server.started and not task.done():
                 await asyncio.sleep(0.05)
@@ -64,13 +88,14 @@ def cmd_serve(args) -> int:
                     with open(tmp, "w") as f:
                         f.write(str(port))
                     os.replace(tmp, args.port_file)  # readers never see a partial file
-                print(f"specdec serve: model {args.model_name!r} on http://{args.host}:{port}/v1",
-                      file=sys.stderr, flush=True)
+                print(f"specdec serve: model {args.model_name!r} on "
+                      f"http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
             await task
 
     try:
         asyncio.run(serve())
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
+    except asyncio.CancelledError:
+        raise SystemExit("specdec serve: interrupted while starting")
     return 0
-
