@@ -193,3 +193,56 @@ def update_card(path, card: dict) -> None:
     meta = json.loads(meta_path.read_text())
     meta["card"] = card
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+class _FullVocabHead(nn.Module):
+    """The reduced head, answering over the whole vocabulary (-1e9 outside the draft's)."""
+
+    def __init__(self, head: torch.Tensor, vocab_map: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.head = nn.Linear(head.shape[1], head.shape[0], bias=False)
+        self.head.weight.data.copy_(head)
+        self.register_buffer("vocab_map", vocab_map.long())
+        self.vocab_size = vocab_size
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        small = self.head(hidden)  # [..., vocab_out]
+        full = small.new_full((*small.shape[:-1], self.vocab_size), -1e9)
+        return full.index_copy(-1, self.vocab_map, small)
+
+
+def to_hf_model(path):
+    """A transformers LlamaForCausalLM that computes exactly this draft (for HF baselines,
+    e.g. ``generate(assistant_model=...)``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    meta, weights = load_weights(path)
+    a = ArchConfig(**meta["arch"])
+    vocab_map = weights.pop("vocab_map").long()
+    embed = weights["embed"].float()
+    config = LlamaConfig(
+        vocab_size=embed.shape[0], hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size, num_hidden_layers=a.num_layers,
+        num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim,
+        rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
+        max_position_embeddings=a.max_context, tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    hq, hkv, d = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.head_dim
+    sd = {"model.embed_tokens.weight": embed, "model.norm.weight": weights["norm"].float()}
+    for i in range(a.num_layers):
+        p, w = f"model.layers.{i}.", lambda n: weights[f"layers.{i}.{n}"].float()
+        q, k, v = w("wqkv").split([hq, hkv, hkv])
+        gate, up = w("w_gate_up").chunk(2)
+        sd.update({
+            p + "input_layernorm.weight": w("attn_norm"),
+            p + "post_attention_layernorm.weight": w("mlp_norm"),
+            p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": w("wo"),
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": w("w_down"),
+        })
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    model.lm_head = _FullVocabHead(weights["head"].float(), vocab_map, embed.shape[0])
+    return model.eval()

@@ -24,6 +24,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple]:
+    """Client side: message limits, and keepalive pings so a dead peer is noticed in ~40 s."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -31,6 +32,18 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple]:
+    """Server side: message limits, and accept the clients' keepalive pings (the default
+    policy answers pings more often than every 5 minutes with GOAWAY "too_many_pings")."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
@@ -93,7 +106,7 @@ def enable_reflection(server: grpc.aio.Server, full_service_names: list[str]) ->
 
 
 def make_server(max_message_bytes: int) -> grpc.aio.Server:
-    return grpc.aio.server(options=channel_options(max_message_bytes))
+    return grpc.aio.server(options=server_options(max_message_bytes))
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, config=None) -> int:

@@ -1,0 +1,1 @@
+"""specdec benchmarks: system comparison and verify-pass cost (specdec bench, bench-verify)."""

@@ -1,0 +1,158 @@
+"""``specdec bench`` (system comparison) and ``specdec bench-verify`` (verify-pass cost)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+
+def register(sub) -> None:
+    b = sub.add_parser("bench", help="compare specdec with HF baselines on prompt sets")
+    b.add_argument("--prompts", nargs="+", default=["default", "grounded"],
+                   help="prompt sets (default, grounded) or files (.jsonl / .txt)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0 = all)")
+    b.add_argument("--systems", default=",".join(_all_systems()),
+                   help="comma-separated subset of: " + ", ".join(_all_systems()))
+    b.add_argument("--target", default="default")
+    b.add_argument("--draft", default="default-draft")
+    b.add_argument("--k", type=int, default=None, help="fixed k for specdec (default: adaptive)")
+    b.add_argument("--threads", type=int, default=1, help="torch threads per specdec service")
+    b.add_argument("--hf-threads", type=int, default=2, help="torch threads for HF baselines")
+    b.add_argument("--out", default="bench/out", help="directory for the JSON and PNG plots")
+    b.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    b.set_defaults(func=cmd_bench)
+
+    v = sub.add_parser("bench-verify", help="cost of a verify pass over m tokens vs one token")
+    v.add_argument("--target", default="default")
+    v.add_argument("--max-tokens", type=int, default=9)
+    v.add_argument("--context", type=int, default=150)
+    v.add_argument("--reps", type=int, default=15)
+    v.add_argument("--threads", type=int, default=1)
+    v.add_argument("--out", default="bench/out")
+    v.set_defaults(func=cmd_bench_verify)
+
+
+def _all_systems():
+    from bench.harness import ALL_SYSTEMS
+
+    return ALL_SYSTEMS
+
+
+def cmd_bench(args) -> int:
+    from bench import report
+    from bench.harness import BASELINE, HF_SYSTEMS, HFSystems, Run, SpecdecSystems, load_prompts
+    from orchestrator.cli import encode_prompt
+
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = set(systems) - set(_all_systems())
+    if unknown:
+        raise SystemExit(f"error: unknown systems {sorted(unknown)}")
+    if BASELINE not in systems:
+        systems.insert(0, BASELINE)  # every result is checked against it
+    sets = {name: load_prompts(name) for name in args.prompts}
+    if args.limit:
+        sets = {k: v[: args.limit] for k, v in sets.items()}
+    print(f"starting services and loading HF models for {', '.join(systems)} ...", flush=True)
+    hf = HFSystems(args.target, args.draft, args.hf_threads)
+    spd = SpecdecSystems(args.target, args.draft, args.threads, systems)
+    runs: list[Run] = []
+    try:
+        spd.connect()
+        warm = encode_prompt(hf.tokenizer, "Hello!", None)
+        for system in systems:  # warm-up, not recorded
+            _run_one(system, hf, spd, warm, 8, args.k, HF_SYSTEMS)
+        total = sum(len(p) for p in sets.values()) * len(systems)
+        with tqdm(total=total, desc="bench", unit="run") as bar:
+            for set_name, prompts in sets.items():
+                for i, prompt in enumerate(prompts):
+                    ids = encode_prompt(hf.tokenizer, prompt, None)
+                    for system in systems:  # interleaved: drift hits every system alike
+                        run = _run_one(system, hf, spd, ids, args.max_new_tokens, args.k, HF_SYSTEMS)
+                        run.prompt_set, run.prompt_index = set_name, i
+                        runs.append(run)
+                        bar.update(1)
+        target_ms = spd.target_forward_ms
+    finally:
+        spd.close()
+    summary = report.summarize(runs, systems, list(sets), target_ms)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "specdec bench " + " ".join(
+        f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
+        for k, v in vars(args).items()
+        if k in ("prompts", "max_new_tokens", "limit", "k", "threads", "hf_threads") and v)
+    summary["command"] = command
+    summary["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    (out / "bench.json").write_text(json.dumps(
+        {"summary": summary, "runs": [r.__dict__ for r in runs]}, indent=1))
+    print(report.table(summary))
+    for path in report.plots(runs, summary, out):
+        print(f"wrote {path}")
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    mismatches = summary["mismatches"]
+    if mismatches:
+        print(f"MISMATCH: {len(mismatches)} runs differ from HF target-only: {mismatches[:5]}")
+        return 1
+    print("all systems' greedy token ids equal HF target-only's")
+    return 0
+
+
+def _run_one(system, hf, spd, ids, max_new, k, hf_systems):
+    from bench.harness import Run
+
+    if system in hf_systems:
+        tokens, wall = hf.run(system, ids, max_new)
+        return Run(system=system, prompt_set="", prompt_index=-1, token_ids=tokens, wall_s=wall)
+    return spd.run(system, ids, max_new, k)
+
+
+def cmd_bench_verify(args) -> int:
+    """Median forward cost over m new tokens (m = 1..N), stock F.linear vs prepacked oneDNN."""
+    import torch
+
+    from bench import report
+    from specdec.loading import load_engine
+
+    torch.set_num_threads(args.threads)
+    engines = {}
+    for name, fast in (("stock", False), ("prepacked", True)):
+        engines[name], _, _ = load_engine(args.target, torch.device("cpu"), fast)
+    ctx = args.context
+    prompt = torch.arange(ctx) % 1000 + 10
+    caches = {n: e.new_cache() for n, e in engines.items()}
+    for n, e in engines.items():
+        e.forward([caches[n]], [prompt], [1])
+    times = {n: {m: [] for m in range(1, args.max_tokens + 1)} for n in engines}
+    for _ in tqdm(range(args.reps), desc="verify cost", unit="rep"):
+        for m in range(1, args.max_tokens + 1):
+            for n, e in engines.items():  # interleaved
+                caches[n].truncate(ctx)
+                t0 = time.perf_counter()
+                e.forward([caches[n]], [torch.arange(m) + 100], [m])
+                times[n][m].append((time.perf_counter() - t0) * 1000)
+    med = {n: {m: sorted(v)[len(v) // 2] for m, v in d.items()} for n, d in times.items()}
+    print(f"median ms per forward (context {ctx}, {args.threads} thread(s), {args.reps} reps)")
+    print("| m | " + " | ".join(engines) + " | " + " | ".join(f"{n} T(m)/T(1)" for n in engines) + " |")
+    print("|---" * (1 + 2 * len(engines)) + "|")
+    for m in range(1, args.max_tokens + 1):
+        print(f"| {m} | " + " | ".join(f"{med[n][m]:.1f}" for n in engines) + " | "
+              + " | ".join(f"{med[n][m] / med[n][1]:.2f}" for n in engines) + " |")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "verify_cost.json").write_text(json.dumps({"median_ms": med, "context": ctx,
+                                                      "threads": args.threads}, indent=1))
+    path = report.plot_verify_cost(med, out)
+    print(f"wrote {path}")
+    t5 = med["prepacked"].get(5)
+    if t5:
+        print(f"prepacked T(5)/T(1) = {t5 / med['prepacked'][1]:.2f} "
+              f"(stock {med['stock'][5] / med['stock'][1]:.2f})")
+    return 0

@@ -1,0 +1,157 @@
+"""The systems ``specdec bench`` compares, each run on the same prompts, interleaved.
+
+HF systems run in this process (transformers ``generate``); specdec systems talk to local
+service processes (one torch thread each by default). Every prompt is run by every system in
+turn, so machine drift hits all systems alike.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import pathlib
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+PROMPT_DIR = pathlib.Path(__file__).parent / "prompts"
+PROMPT_SETS = {"default": PROMPT_DIR / "default.jsonl", "grounded": PROMPT_DIR / "grounded.jsonl"}
+
+HF_SYSTEMS = ("hf", "hf-assisted", "hf-prompt-lookup")
+SPECDEC_SYSTEMS = ("specdec-target-only", "specdec-spec", "specdec-pipelined", "specdec-ngram")
+ALL_SYSTEMS = HF_SYSTEMS + SPECDEC_SYSTEMS
+BASELINE = "hf"
+
+
+def load_prompts(spec: str) -> list[str]:
+    """A prompt set by name (default, grounded) or a file (.jsonl with "prompt", or .txt)."""
+    path = PROMPT_SETS.get(spec, pathlib.Path(spec))
+    text = pathlib.Path(path).read_text(encoding="utf-8")
+    if str(path).endswith(".jsonl"):
+        return [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    return [line for line in text.splitlines() if line.strip()]
+
+
+@dataclasses.dataclass
+class Run:
+    system: str
+    prompt_set: str
+    prompt_index: int
+    token_ids: list[int]
+    wall_s: float
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_busy_s: float = 0.0
+    verify_busy_s: float = 0.0
+    k_mean: float = 0.0
+    tokens_per_round: list[int] = dataclasses.field(default_factory=list)
+    timeline: list[tuple[str, float, float, str]] = dataclasses.field(default_factory=list)
+
+
+class HFSystems:
+    """transformers generate: target-only, assisted by the same draft, prompt lookup."""
+
+    def __init__(self, target: str, draft: str | None, threads: int):
+        from specdec import draft_model
+        from specdec.loading import resolve_draft_spec
+        from specdec.models import load_hf_model
+
+        self.threads = threads
+        self.model, self.tokenizer = load_hf_model(target)
+        self.assistant = None
+        if draft is not None and draft != "ngram":
+            spec = resolve_draft_spec(draft, target)
+            if draft_model.is_draft_dir(spec):
+                self.assistant = draft_model.to_hf_model(spec)
+            else:
+                self.assistant, _ = load_hf_model(spec)
+
+    def run(self, system: str, prompt_ids: list[int], max_new: int) -> tuple[list[int], float]:
+        torch.set_num_threads(self.threads)
+        ids = torch.tensor([prompt_ids])
+        kwargs = dict(max_new_tokens=max_new, do_sample=False, attention_mask=torch.ones_like(ids),
+                      pad_token_id=self.tokenizer.eos_token_id)
+        if system == "hf-assisted":
+            if self.assistant is None:
+                raise ValueError("hf-assisted needs a model draft")
+            kwargs["assistant_model"] = self.assistant
+        elif system == "hf-prompt-lookup":
+            kwargs["prompt_lookup_num_tokens"] = 10
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(ids, **kwargs)
+        wall = time.perf_counter() - t0
+        return out[0, len(prompt_ids):].tolist(), wall
+
+
+class SpecdecSystems:
+    """Local target + model draft + n-gram draft services, and an orchestrator per pair."""
+
+    def __init__(self, target: str, draft: str, threads: int, systems: list[str]):
+        from orchestrator.local import ServiceProcess, service_args
+
+        self.processes = {"target": ServiceProcess("target", service_args(target, threads))}
+        if any(s in systems for s in ("specdec-spec", "specdec-pipelined")):
+            self.processes["draft"] = ServiceProcess(
+                "draft", service_args(draft, threads, ["--target", target]))
+        if "specdec-ngram" in systems:
+            self.processes["ngram"] = ServiceProcess(
+                "draft", service_args("ngram", threads, ["--target", target]))
+        for p in self.processes.values():
+            p.wait_port()
+        self.target_spec = target
+        self.orchestrators: dict[str, object] = {}
+        self.loop = asyncio.new_event_loop()
+
+    def connect(self) -> None:
+        from orchestrator.pair import connect
+
+        t = self.processes["target"].address
+        pairs = {"target": None, "draft": "draft", "ngram": "ngram"}
+        for name, draft_key in pairs.items():
+            if draft_key is not None and draft_key not in self.processes:
+                continue
+            d = self.processes[draft_key].address if draft_key else None
+            self.orchestrators[name] = self.loop.run_until_complete(
+                connect(t, d, tokenizer_spec=self.target_spec))
+
+    @property
+    def target_forward_ms(self) -> list[float]:
+        return list(self.orchestrators["target"].target.info.forward_ms)
+
+    def run(self, system: str, prompt_ids: list[int], max_new: int, k: int | None) -> Run:
+        from orchestrator.loop import GenerationRequest
+
+        orch, mode = {
+            "specdec-target-only": ("target", "target-only"),
+            "specdec-spec": ("draft", "spec"),
+            "specdec-pipelined": ("draft", "pipelined"),
+            "specdec-ngram": ("ngram", "pipelined"),
+        }[system]
+        req = GenerationRequest(prompt_ids, max_new, mode=mode, k=k)
+        result = self.loop.run_until_complete(self.orchestrators[orch].generate(req))
+        s = result.stats
+        split = s.time_split()
+        t0 = min((c.start for c in s.calls), default=0.0)
+        return Run(
+            system=system, prompt_set="", prompt_index=-1, token_ids=result.token_ids,
+            wall_s=s.wall_s, rounds=s.rounds, draft_tokens=s.draft_tokens,
+            accepted_tokens=s.accepted_tokens, draft_busy_s=split["draft_s"],
+            verify_busy_s=split["verify_s"], k_mean=s.k_mean,
+            tokens_per_round=list(s.tokens_per_round),
+            timeline=[(c.service, c.start - t0, c.end - t0, c.outcome) for c in s.calls],
+        )
+
+    def close(self) -> None:
+        from orchestrator.pair import close
+
+        for orch in self.orchestrators.values():
+            self.loop.run_until_complete(close(orch))
+        self.loop.close()
+        for p in self.processes.values():
+            p.stop()
