@@ -159,6 +159,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 def _is_type_tag(part: str) -> bool:
+    """A union member's name in a pydantic error location (not a field name)."""
     return "[" in part or part in ("str", "int", "float", "bool", "list", "dict") or \
         part.startswith("function-")
 

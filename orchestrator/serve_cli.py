@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import signal
 import sys
-
-log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:

@@ -193,8 +193,9 @@ def test_sampling_options_pass_through(api, tiny_models, tok):
     client = openai.OpenAI(base_url=api + "/v1", api_key="unused", max_retries=0)
     msgs = [{"role": "user", "content": PROMPT}]
 
-    def ask(**kw):
-        return client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20, **kw)
+    def ask(**kw):  # a fixed k: the sampled text depends on the seed and the blocks drafted
+        return client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=20,
+                                              extra_body={"specdec_k": 2}, **kw)
 
     # seeded sampling is deterministic; another seed (almost surely) differs
     a, b = ask(temperature=1.0, top_p=0.9, seed=7), ask(temperature=1.0, top_p=0.9, seed=7)
