@@ -12,6 +12,9 @@ import torch
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray on loopback: without this Ray swaps 127.0.0.1 in an address for the machine's IP, where
+# a cluster started with node IP 127.0.0.1 does not listen.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
