@@ -65,6 +65,7 @@ class GenerationStats:
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
     rounds_per_k: dict[int, int] = dataclasses.field(default_factory=dict)
     tokens_per_round: list[int] = dataclasses.field(default_factory=list)
+    k_requested: list[int] = dataclasses.field(default_factory=list)  # k asked of the draft
     pipeline_hits: int = 0  # rounds whose block was drafted during the previous verify
     pipeline_misses: int = 0  # speculative blocks dropped (rejection or wrong guess)
     re_prefills: int = 0
@@ -221,6 +222,7 @@ class Orchestrator:
                 remaining = req.max_new_tokens - len(generated)
                 k = min(k_ctl.next_k(), remaining - 1, MAX_K) if k_ctl else 0
                 k = max(k, 0)
+                stats.k_requested.append(k)
                 # 1. the block for this round
                 if k > 0 and block is None:
                     block = await self._draft(session_id, history, [], k, req, stats)

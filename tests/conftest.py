@@ -33,8 +33,13 @@ def run(coro):
 
 
 def make_tiny_model(path: pathlib.Path, seed: int, layers: int = 2, hidden: int = 64,
-                    heads: int = 4, kv_heads: int = 2, vocab: int | None = None) -> pathlib.Path:
-    """A random-weight Llama with the default target's tokenizer, saved as an HF directory."""
+                    heads: int = 4, kv_heads: int = 2, vocab: int | None = None,
+                    noise: float = 0.0) -> pathlib.Path:
+    """A random-weight Llama with the default target's tokenizer, saved as an HF directory.
+
+    ``noise`` > 0 perturbs every weight (relative scale): a draft that agrees with the
+    same-seed model often but not always.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdec.models import load_tokenizer
@@ -50,6 +55,10 @@ def make_tiny_model(path: pathlib.Path, seed: int, layers: int = 2, hidden: int 
     model = LlamaForCausalLM(config)
     with torch.no_grad():  # sharper logits than the default init: fewer near-ties in argmax
         model.lm_head.weight.mul_(20.0)
+        if noise:
+            g = torch.Generator().manual_seed(seed + 1000)
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * noise * p.abs().mean())
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -62,6 +71,8 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     return {
         "target": str(make_tiny_model(root / "target", seed=1, layers=2)),
         "draft": str(make_tiny_model(root / "draft", seed=2, layers=1)),
+        # the target with noise: agrees often but not always (exercises both branches)
+        "near_draft": str(make_tiny_model(root / "near", seed=1, layers=2, noise=0.15)),
     }
 
 
@@ -132,6 +143,7 @@ def tiny_services(tiny_models):
         "draft": ServiceThread("draft", tiny_models["draft"], target=target),
         "self_draft": ServiceThread("draft", target, target=target),
         "ngram": ServiceThread("draft", "ngram", target=target),
+        "near_draft": ServiceThread("draft", tiny_models["near_draft"], target=target),
     }
     yield services
     for s in services.values():
