@@ -553,9 +553,13 @@ def deploy(cfg: RayAppConfig) -> str:
     return f"http://{host}:{cfg.http.port}{cfg.route_prefix.rstrip('/')}"
 
 
-def undeploy(cfg: RayAppConfig) -> None:
-    """Delete the Serve app and kill the service actors this config started."""
+def undeploy(cfg: RayAppConfig, wait: bool = True) -> None:
+    """Kill the service actors this config started and delete the Serve app.
+
+    The actors go first and ``wait=False`` does not wait for Serve: ``ray job stop`` gives a
+    job 3 s (RAY_JOB_STOP_WAIT_TIME_S) between SIGTERM and SIGKILL.
+    """
     try:
-        serve.delete(cfg.name)
-    finally:
         stop_services(cfg)
+    finally:
+        serve.delete(cfg.name, _blocking=wait)

@@ -68,5 +68,5 @@ def cmd_ray_up(args) -> int:
             print("stopping specdec", flush=True)
     finally:
         if not (args.detach and serving):
-            ray_app.undeploy(cfg)
+            ray_app.undeploy(cfg, wait=False)
     return 0
