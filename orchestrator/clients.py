@@ -75,6 +75,30 @@ class CallRecord:
     re_prefilled: bool = False  # the service had lost the session; the history was re-sent
 
 
+class Backoff:
+    """Exponential backoff between attempts to reach a service that failed."""
+
+    def __init__(self, initial_s: float = 0.5, maximum_s: float = 30.0):
+        self.initial_s = initial_s
+        self.maximum_s = maximum_s
+        self.delay_s = initial_s
+        self.retry_at = 0.0
+        self.failures = 0
+
+    def failed(self) -> None:
+        self.failures += 1
+        self.retry_at = time.monotonic() + self.delay_s
+        self.delay_s = min(self.delay_s * 2, self.maximum_s)
+
+    def succeeded(self) -> None:
+        self.failures = 0
+        self.delay_s = self.initial_s
+        self.retry_at = 0.0
+
+    def ready(self) -> bool:
+        return time.monotonic() >= self.retry_at
+
+
 class ServiceClient:
     """A channel to one service with its stub, info, and per-session cache knowledge."""
 
@@ -116,6 +140,17 @@ class ServiceClient:
     def forget(self, session_id: str) -> None:
         self.known.pop(session_id, None)
 
+    async def healthy(self, timeout_s: float = 1.0) -> bool:
+        """True when the standard health service answers SERVING."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        try:
+            resp = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
     async def close_session(self, session_id: str) -> None:
         self.known.pop(session_id, None)
         try:
@@ -136,10 +171,41 @@ class ServiceClient:
 class DraftClient(ServiceClient):
     role = "draft"
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, draft_timeout_s: float = 5.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.stub = pb_grpc.DraftServiceStub(self.channel)
         self._tickets: dict[str, int] = {}  # latest call per session: only it updates `known`
+        # A draft is an accelerator, never a dependency: past this deadline a round goes on
+        # without it, and a failed draft is left alone until a health check says it is back.
+        self.draft_timeout_s = draft_timeout_s
+        self.down = False
+        self.backoff = Backoff()
+        self._probe_lock = asyncio.Lock()
+
+    def mark_failed(self) -> None:
+        if not self.down:
+            log.warning("draft service %s marked down; generating target-only meanwhile",
+                        self.address)
+        self.down = True
+        self.backoff.failed()
+
+    async def available(self) -> bool:
+        """Whether to use the draft now: up, or down but answering its health check again."""
+        if not self.down:
+            return True
+        if not self.backoff.ready():
+            return False
+        async with self._probe_lock:
+            if not self.down:
+                return True
+            if await self.healthy():
+                log.warning("draft service %s is back; speculation resumes", self.address)
+                self.down = False
+                self.backoff.succeeded()
+                self.known.clear()  # it may have restarted: re-prefill every session
+                return True
+            self.backoff.failed()
+            return False
 
     async def propose(self, session_id: str, history: History, extra: list[int], k: int,
                       sampling: SamplingParams, request_id: str = "") -> tuple[pb.DraftResponse, CallRecord]:
@@ -155,7 +221,7 @@ class DraftClient(ServiceClient):
                                   sampling=sampling.to_wire(pb), request_id=request_id)
             start = time.perf_counter()
             try:
-                resp = await self.stub.Propose(req, timeout=self.timeout_s)
+                resp = await self.stub.Propose(req, timeout=self.draft_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 err = self._error(exc)
                 self.forget(session_id)
@@ -182,9 +248,11 @@ class TargetClient(ServiceClient):
 
     role = "target"
 
-    def __init__(self, *args, use_stream: bool = True, **kwargs):
+    def __init__(self, *args, use_stream: bool = True, unavailable_deadline_s: float = 60.0,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
+        self.unavailable_deadline_s = unavailable_deadline_s
         self.use_stream = use_stream
         self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
 
@@ -200,6 +268,10 @@ class TargetClient(ServiceClient):
         except grpc.aio.AioRpcError:
             self._streams.pop(session_id, None)
             raise
+        except asyncio.InvalidStateError:  # the stream ended (e.g. the target went away)
+            self._streams.pop(session_id, None)
+            raise grpc.aio.AioRpcError(await call.code(), None, None,
+                                       details=await call.details()) from None
         except BaseException:
             self._streams.pop(session_id, None)
             call.cancel()
@@ -213,7 +285,13 @@ class TargetClient(ServiceClient):
     async def verify(self, session_id: str, history: History, draft_tokens: list[int],
                      draft_dists, sampling: SamplingParams,
                      request_id: str = "") -> tuple[pb.VerifyResponse, CallRecord]:
-        for attempt in (0, 1):
+        """Verify a block. A lost session is re-prefilled; an unreachable target (restarting,
+        loading) is retried with backoff for ``unavailable_deadline_s``, then UNAVAILABLE."""
+        deadline = time.monotonic() + self.unavailable_deadline_s
+        backoff = 0.05
+        lost_retries = 0
+        re_prefilled = False
+        while True:
             ref, tokens = self.ref(session_id, history)
             req = pb.VerifyRequest(session=ref, tokens=tokens, draft_tokens=draft_tokens,
                                    draft_dists=draft_dists, sampling=sampling.to_wire(pb),
@@ -224,8 +302,16 @@ class TargetClient(ServiceClient):
             except grpc.aio.AioRpcError as exc:
                 err = self._error(exc)
                 self.forget(session_id)
-                if err.session_lost and attempt == 0:
+                if err.session_lost and lost_retries < 2:
+                    lost_retries += 1
+                    re_prefilled = True
                     log.info("target lost session %s (%s); re-prefilling", session_id, err.details)
+                    continue
+                if err.retriable and time.monotonic() < deadline:
+                    log.warning("target unavailable (%s); retrying in %.2fs", err.details, backoff)
+                    re_prefilled = True  # what the target held is unknown now: re-send it all
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 2.0)
                     continue
                 raise err from None
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
@@ -237,8 +323,7 @@ class TargetClient(ServiceClient):
             end = time.perf_counter()
             self.known[session_id] = history.tokens + list(draft_tokens[: resp.num_accepted])
             return resp, CallRecord("target", start, end, resp.compute_ms, len(draft_tokens),
-                                    re_prefilled=attempt > 0)
-        raise AssertionError("unreachable")
+                                    re_prefilled=re_prefilled)
 
     async def close_session(self, session_id: str) -> None:
         call = self._streams.pop(session_id, None)

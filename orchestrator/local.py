@@ -19,13 +19,14 @@ class ServiceProcess:
     """One service in a child process; stopped by its process id (never by name)."""
 
     def __init__(self, role: str, args: list[str], env: dict | None = None,
-                 log_path: str | None = None):
+                 log_path: str | None = None, port: int = 0):
         self.role = role
         self._tmp = tempfile.mkdtemp(prefix=f"specdec-{role}-")
         self.port_file = os.path.join(self._tmp, "port")
         self.log_path = log_path or os.path.join(self._tmp, "log")
         module = "draft_service" if role == "draft" else "target_service"
-        cmd = [sys.executable, "-m", module, "--port", "0", "--port-file", self.port_file, *args]
+        cmd = [sys.executable, "-m", module, "--port", str(port), "--port-file", self.port_file,
+               *args]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},

@@ -69,7 +69,7 @@ class GenerationStats:
     pipeline_hits: int = 0  # rounds whose block was drafted during the previous verify
     pipeline_misses: int = 0  # speculative blocks dropped (rejection or wrong guess)
     re_prefills: int = 0
-    tokens_without_draft: int = 0
+    tokens_without_draft: int = 0  # emitted while the draft was down or failing
     draft_failures: int = 0
     wall_s: float = 0.0
     ttft_s: float = 0.0
@@ -224,8 +224,11 @@ class Orchestrator:
                 k = max(k, 0)
                 stats.k_requested.append(k)
                 # 1. the block for this round
+                no_draft = False
                 if k > 0 and block is None:
-                    block = await self._draft(session_id, history, [], k, req, stats)
+                    if await self.draft.available():
+                        block = await self._draft(session_id, history, [], k, req, stats)
+                    no_draft = block is None
                     if block is None:
                         k = 0
                 elif block is not None and len(block.tokens) > k:
@@ -261,7 +264,7 @@ class Orchestrator:
                 for i in range(n_acc):
                     stats.accepted_per_position[i] += 1
                 stats.tokens_per_round.append(len(new))
-                if not block.tokens:
+                if no_draft:  # the draft was down or failed: this round's token came alone
                     stats.tokens_without_draft += 1
                 if k_ctl is not None and block.tokens:
                     k_ctl.observe(len(block.tokens), n_acc)
@@ -327,6 +330,7 @@ class Orchestrator:
             raise
         except ServiceError as exc:
             stats.draft_failures += 1
+            self.draft.mark_failed()
             log.warning("request %s: draft failed (%s); continuing without it", req.request_id, exc)
             return None
         stats.calls.append(rec)
