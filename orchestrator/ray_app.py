@@ -283,12 +283,6 @@ class _ServiceActor:
                                f"{self.error!r}")
         return self.info()
 
-    def stop(self) -> None:
-        if self.host is not None:
-            fut = asyncio.run_coroutine_threadsafe(self.host.stop(1.0), self._loop)
-            fut.result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-
 
 class TargetServer(_ServiceActor):
     role = "target"
@@ -313,7 +307,11 @@ def _actor_class(role: str):
 
 
 def ensure_actors(cfg: RayAppConfig, group: ServiceGroup) -> list:
-    """Create the group's named, detached service actors (or get them if they exist)."""
+    """Create the group's named, detached service actors, not waiting for them.
+
+    An actor of the same name that already runs is reused as it is: remove a deployment
+    (``specdec ray-up --down``) before changing its models or resources.
+    """
     if not group.uses_actors:
         return []
     host_args = {}

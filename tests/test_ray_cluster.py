@@ -142,7 +142,7 @@ def test_a_session_sticks_to_one_pair_for_all_its_rounds(tiny_models, deployed):
         assert service_calls(addrs[expected]["target"], "target") >= mine_before + out["rounds"]
 
 
-def test_concurrent_requests_use_both_pairs(tiny_models, deployed):
+def test_concurrent_requests_all_equal_target_only(tiny_models, deployed):
     url = deployed["url"]
     served_before = [p["served"] for p in httpx.get(f"{url}/pairs", timeout=30).json()]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -154,6 +154,22 @@ def test_concurrent_requests_use_both_pairs(tiny_models, deployed):
             : len(out["token_ids"])]
     served = [p["served"] for p in httpx.get(f"{url}/pairs", timeout=30).json()]
     assert sum(served) - sum(served_before) == 4
+
+
+def test_openai_completions_through_serve(deployed):
+    """The replica serves the OpenAI-compatible front over the same pairs."""
+    url = deployed["url"]
+    prompt = "The sea is"
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json=dict(
+        model="specdec", prompt=prompt, max_tokens=16, temperature=0))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    native = post(url, dict(prompt=prompt, max_new_tokens=16, mode="target-only"))
+    assert body["choices"][0]["text"] == native["text"]
+    assert body["usage"]["completion_tokens"] == native["completion_tokens"]
+    assert body["usage"]["prompt_tokens"] == native["prompt_tokens"]
+    models = httpx.get(f"{url}/v1/models", timeout=30).json()
+    assert [m["id"] for m in models["data"]] == ["specdec"]
 
 
 def test_bad_requests_get_400(deployed):
