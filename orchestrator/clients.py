@@ -73,6 +73,7 @@ class CallRecord:
     tokens: int  # draft tokens proposed / verified
     outcome: str = "ok"  # ok | cancelled | error
     re_prefilled: bool = False  # the service had lost the session; the history was re-sent
+    batch_size: int = 1  # sessions that shared the service's forward pass
 
 
 class Backoff:
@@ -323,7 +324,7 @@ class TargetClient(ServiceClient):
             end = time.perf_counter()
             self.known[session_id] = history.tokens + list(draft_tokens[: resp.num_accepted])
             return resp, CallRecord("target", start, end, resp.compute_ms, len(draft_tokens),
-                                    re_prefilled=re_prefilled)
+                                    re_prefilled=re_prefilled, batch_size=resp.batch_size)
 
     async def close_session(self, session_id: str) -> None:
         call = self._streams.pop(session_id, None)

@@ -1,0 +1,118 @@
+"""Continuous batching: concurrent sessions share forward passes and get their solo results."""
+
+import asyncio
+
+import pytest
+
+from conftest import ServiceThread, hf_greedy, run
+from orchestrator.loop import GenerationRequest
+from orchestrator.pair import close, connect
+from specdec.config import SamplingParams
+
+# Different prompt lengths, k's, modes, sampling settings and stop points.
+CASES = [
+    dict(prompt=[1, 520, 3300, 12, 99, 7], max_new=40, k=3, mode="pipelined"),
+    dict(prompt=list(range(2000, 2200)), max_new=25, k=2, mode="spec"),  # long prefill
+    dict(prompt=[5, 6, 7, 8] * 10, max_new=33, k=None, mode="pipelined"),
+    dict(prompt=list(range(300, 320)), max_new=12, k=0, mode="target-only"),
+    dict(prompt=[77, 78, 79], max_new=30, k=4, mode="spec",
+         sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=5)),
+    dict(prompt=list(range(900, 960)), max_new=30, k=3, mode="pipelined",
+         sampling=SamplingParams(temperature=0.7, top_k=8, seed=11)),
+]
+
+
+@pytest.fixture(scope="module")
+def batching_services(tiny_models):
+    target = tiny_models["target"]
+    services = {
+        "target": ServiceThread("target", target, max_batch=8, batch_wait_ms=3.0, prefill_chunk=64),
+        "draft": ServiceThread("draft", tiny_models["near_draft"], target=target, max_batch=8,
+                               batch_wait_ms=3.0),
+    }
+    yield services
+    for s in services.values():
+        s.stop()
+
+
+async def _run_cases(services, cases, cancel_index=None):
+    orch = await connect(services["target"].address, services["draft"].address)
+    try:
+        reqs = [GenerationRequest(c["prompt"], c["max_new"], c.get("sampling", SamplingParams()),
+                                  [], c["mode"], c["k"]) for c in cases]
+        tasks = [asyncio.create_task(orch.generate(r)) for r in reqs]
+        if cancel_index is not None:
+            await asyncio.sleep(0.05)
+            tasks[cancel_index].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        await close(orch)
+
+
+def test_concurrent_sessions_equal_their_solo_runs(tiny_models, batching_services):
+    solo = [run(_run_cases(batching_services, [c]))[0] for c in CASES]
+    together = run(_run_cases(batching_services, CASES))
+    for case, a, b in zip(CASES, solo, together):
+        assert b.token_ids == a.token_ids, case
+        if "sampling" not in case:
+            assert b.token_ids == hf_greedy(tiny_models["target"], case["prompt"], case["max_new"])
+    batch_sizes = [c.batch_size for r in together for c in r.stats.calls if c.service == "target"]
+    assert max(batch_sizes) > 1  # sessions really shared forward passes
+    rt = batching_services["target"].runtime
+    assert rt.scheduler.forward_passes < rt.calls  # fewer passes than calls overall
+    assert len(rt.store) == 0 and len(batching_services["draft"].runtime.store) == 0
+
+
+def test_a_cancelled_session_does_not_disturb_the_others(batching_services):
+    solo = [run(_run_cases(batching_services, [c]))[0] for c in CASES]
+    mixed = run(_run_cases(batching_services, CASES, cancel_index=1))
+    assert isinstance(mixed[1], asyncio.CancelledError)
+    for i, (a, b) in enumerate(zip(solo, mixed)):
+        if i != 1:
+            assert b.token_ids == a.token_ids
+    assert len(batching_services["target"].runtime.store) == 0  # the cancelled one was released
+
+
+def test_a_failing_session_does_not_disturb_the_others(batching_services):
+    bad = dict(prompt=[10**6], max_new=5, k=2, mode="spec")  # token id outside the vocabulary
+    results = run(_run_cases(batching_services, CASES[:3] + [bad]))
+    assert isinstance(results[3], Exception) and "token ids must be in" in str(results[3])
+    solo = [run(_run_cases(batching_services, [c]))[0] for c in CASES[:3]]
+    assert [r.token_ids for r in results[:3]] == [r.token_ids for r in solo]
+
+
+def test_kv_cache_cap_holds_under_batching(tiny_models):
+    target = ServiceThread("target", tiny_models["target"], max_batch=8)
+    try:
+        store = target.runtime.store
+        store.cap_bytes = 200_000  # below what the six sessions hold together
+        idle_bytes = []
+        orig = store.enforce_limits
+
+        def record(pinned=()):
+            dropped = orig(pinned)
+            pinned = set(pinned)
+            idle_bytes.append(sum(s.cache.nbytes for sid, s in list(store._sessions.items())
+                                  if sid not in pinned))
+            return dropped
+
+        store.enforce_limits = record
+        cases = [dict(c, mode="target-only", k=0) for c in CASES]
+
+        async def go(batch):
+            orch = await connect(target.address, None)
+            try:
+                reqs = [GenerationRequest(c["prompt"], c["max_new"], mode="target-only")
+                        for c in batch]
+                return await asyncio.gather(*(orch.generate(r) for r in reqs))
+            finally:
+                await close(orch)
+
+        together = run(go(cases))
+        solo = [run(go([c]))[0] for c in cases]
+        assert [r.token_ids for r in together] == [r.token_ids for r in solo]
+        assert store.evictions > 0  # the cap forced evictions...
+        assert sum(r.stats.re_prefills for r in together) > 0  # ...which cost re-prefills only
+        assert max(idle_bytes) <= store.cap_bytes  # idle sessions never exceed the cap
+    finally:
+        target.stop()
