@@ -27,6 +27,8 @@ def register(sub) -> None:
     b.add_argument("--hf-threads", type=int, default=2, help="torch threads for HF baselines")
     b.add_argument("--out", default="bench/out", help="directory for the JSON and PNG plots")
     b.add_argument("--json", action="store_true", help="also print the summary as JSON")
+    b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: throughput/latency vs concurrent "
+                   "requests (specdec pipelined, specdec target-only, HF one at a time)")
     b.set_defaults(func=cmd_bench)
 
     v = sub.add_parser("bench-verify", help="cost of a verify pass over m tokens vs one token")
@@ -50,6 +52,8 @@ def cmd_bench(args) -> int:
     from bench.harness import BASELINE, HF_SYSTEMS, HFSystems, Run, SpecdecSystems, load_prompts
     from orchestrator.cli import encode_prompt
 
+    if args.concurrency:
+        return cmd_concurrency(args)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = set(systems) - set(_all_systems())
     if unknown:
@@ -102,6 +106,41 @@ def cmd_bench(args) -> int:
         print(f"MISMATCH: {len(mismatches)} runs differ from HF target-only: {mismatches[:5]}")
         return 1
     print("all systems' greedy token ids equal HF target-only's")
+    return 0
+
+
+def cmd_concurrency(args) -> int:
+    from bench import concurrency
+    from bench.harness import HFSystems, SpecdecSystems, load_prompts
+    from orchestrator.cli import encode_prompt
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    if any(n < 1 for n in levels):
+        raise SystemExit("error: concurrency levels must be >= 1")
+    prompts = [p for name in args.prompts for p in load_prompts(name)]
+    if args.limit:
+        prompts = prompts[: args.limit]
+    hf = HFSystems(args.target, None, args.hf_threads)
+    spd = SpecdecSystems(args.target, args.draft, args.threads,
+                         ["specdec-target-only", "specdec-pipelined"])
+    try:
+        spd.connect()
+        ids = [encode_prompt(hf.tokenizer, p, None) for p in prompts]
+        summary = concurrency.run_levels(levels, ids, args.max_new_tokens, hf, spd, args.k)
+    finally:
+        spd.close()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    summary["command"] = f"specdec bench --concurrency {args.concurrency} " \
+                         f"--max-new-tokens {args.max_new_tokens}"
+    (out / "concurrency.json").write_text(json.dumps(summary, indent=1))
+    print(concurrency.table(summary))
+    print(f"wrote {concurrency.plot(summary, out)}")
+    bad = sum(r["mismatches"] for r in summary["rows"])
+    if bad:
+        print(f"MISMATCH: {bad} answers differ from HF target-only")
+        return 1
+    print("every answer's greedy token ids equal HF target-only's")
     return 0
 
 
