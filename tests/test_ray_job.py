@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -93,6 +94,7 @@ def head():
         yield dict(address=f"http://127.0.0.1:{dashboard}", temp_dir=temp_dir)
     finally:
         kill_head(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def ray_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
