@@ -28,6 +28,7 @@ class ProposeCall:
     tokens: list[int]
     k: int
     sampling: SamplingParams
+    request_id: str = ""
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "ProposeCall":
@@ -46,6 +47,7 @@ class ProposeCall:
             tokens=tokens,
             k=int(req.k),
             sampling=SamplingParams.from_wire(req.sampling),
+            request_id=req.request_id[:64],
         )
 
 
@@ -91,6 +93,7 @@ class DraftWork:
         self.session = resolve(
             self.store, c.session_id, c.prefix_len, c.prefix_hash, self.engine.new_cache
         )
+        self.session.request_id = c.request_id or self.session.request_id
         max_ctx = self.engine.arch.max_context
         if c.prefix_len + len(c.tokens) >= max_ctx:
             raise ValueError(f"sequence exceeds the draft's context of {max_ctx}")
@@ -134,6 +137,10 @@ class DraftWork:
         return len(self.drafted) >= self.k
 
     def result(self) -> Proposal:
+        self.session.calls += 1
+        self.session.tokens_in += len(self.call.tokens)
+        self.session.proposed += len(self.drafted)
+        self.session.compute_s += self.compute_s
         return Proposal(self.drafted, self.dists, len(self.session))
 
 
@@ -160,9 +167,13 @@ class NgramDrafter:
         session = resolve(
             self.store, call.session_id, call.prefix_len, call.prefix_hash, NgramCache
         )
+        session.request_id = call.request_id or session.request_id
         session.append(call.tokens)
         drafted = lookup(session.tokens, call.k, self.max_ngram, self.min_ngram)
         session.append(drafted[:-1])
+        session.calls += 1
+        session.tokens_in += len(call.tokens)
+        session.proposed += len(drafted)
         # The proposal is deterministic: q puts all its mass on the proposed token.
         dists = [] if call.sampling.greedy else [([t], [1.0]) for t in drafted]
         return Proposal(drafted, dists, len(session))

@@ -64,6 +64,21 @@ class Session(Generic[C]):
         self.tokens: list[int] = []
         self.hashes: list[int] = [0]
         self.last_used = time.monotonic()
+        self.opened = self.last_used
+        # Per-session counters for the one log line a service writes when the session ends.
+        self.calls = 0
+        self.tokens_in = 0  # tokens appended by callers (prompt, committed tokens)
+        self.proposed = 0  # draft tokens proposed (draft) or received for checking (target)
+        self.accepted = 0  # draft tokens accepted (target)
+        self.compute_s = 0.0
+        self.request_id = ""
+
+    def summary(self) -> str:
+        acc = f" acceptance={self.accepted / self.proposed:.3f}" if self.accepted else ""
+        return (f"request={self.request_id or '-'} session={self.session_id} calls={self.calls} tokens_in={self.tokens_in} "
+                f"draft_tokens={self.proposed} accepted={self.accepted}{acc} "
+                f"cached={len(self.tokens)} compute_ms={self.compute_s * 1000:.1f} "
+                f"age_s={time.monotonic() - self.opened:.2f}")
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -133,7 +148,10 @@ class SessionStore(Generic[C]):
 
     def close(self, session_id: str) -> bool:
         with self._lock:
-            return self._sessions.pop(session_id, None) is not None
+            session = self._sessions.pop(session_id, None)
+        if session is not None:
+            log.info("closed %s", session.summary())
+        return session is not None
 
     def ids(self) -> list[str]:
         with self._lock:

@@ -25,6 +25,7 @@ class VerifyCall:
     draft_tokens: list[int]  # [k]
     draft_dists: list[tuple[list[int], list[float]]]  # k sparse q's (sampling) or []
     sampling: SamplingParams
+    request_id: str = ""
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "VerifyCall":
@@ -63,6 +64,7 @@ class VerifyCall:
             draft_tokens=drafts,
             draft_dists=dists,
             sampling=sampling,
+            request_id=req.request_id[:64],
         )
 
 
@@ -101,6 +103,7 @@ class VerifyWork:
         self.session = resolve(
             self.store, c.session_id, c.prefix_len, c.prefix_hash, self.engine.new_cache
         )
+        self.session.request_id = c.request_id or self.session.request_id
         total = c.prefix_len + len(self._feed)
         if total > self.engine.arch.max_context:
             raise ValueError(
@@ -144,6 +147,11 @@ class VerifyWork:
             num_accepted, next_token = verify_sampling(drafts, draft_probs, target_probs, gens)
         kept = c.tokens + c.draft_tokens[:num_accepted]
         self.session.append(kept)
+        self.session.calls += 1
+        self.session.tokens_in += len(c.tokens)
+        self.session.proposed += k
+        self.session.accepted += num_accepted
+        self.session.compute_s += self.compute_s
         self.session.cache.truncate(c.prefix_len + len(kept))
         self._result = VerifyResult(num_accepted, next_token, len(self.session))
         return True

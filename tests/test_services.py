@@ -172,3 +172,17 @@ def test_health_and_reflection(tiny_services):
     status, names = run(probe(tiny_services["target"].address))
     assert status == 1  # SERVING
     assert "specdec.v1.TargetService" in names and "grpc.health.v1.Health" in names
+
+
+def test_services_log_one_line_per_request(tiny_services, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="specdec.session")
+    result = run(_generate(tiny_services, "self_draft", PROMPTS[0], "spec", 3))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("closed ")]
+    assert len(lines) == 2  # one per service
+    rid = result.request_id
+    for line in lines:
+        assert f"request={rid}" in line and "calls=" in line and "compute_ms=" in line
+    target_line = next(line for line in lines if "accepted=" in line and "acceptance=" in line)
+    assert f"accepted={result.stats.accepted_tokens}" in target_line
