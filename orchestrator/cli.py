@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 
 log = logging.getLogger(__name__)
@@ -39,17 +40,31 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per local service (default 1: one core each)")
     p.add_argument("--tokenizer", help="tokenizer for prompts (default: the --target model)")
-    p.add_argument("--tls-ca", help="CA that signed the services' certificates (enables TLS)")
-    p.add_argument("--tls-cert", help="client certificate for mutual TLS")
+    p.add_argument("--tls-ca", help="TLS to the services: the CA that signed their certificates "
+                                    "(without it, the system's roots)")
+    p.add_argument("--tls-cert", help="client certificate for mutual TLS (enables TLS)")
     p.add_argument("--tls-key", help="client key for mutual TLS")
     p.add_argument("--tls-server-name", help="expected server name in the certificates")
 
 
 def tls_from_args(args) -> dict | None:
-    if not getattr(args, "tls_ca", None):
+    """The channels' TLS settings (for orchestrator.pair.connect), or None for plaintext.
+
+    Any of --tls-ca / --tls-cert turns TLS on: a client certificate must never travel over a
+    channel that silently fell back to plaintext.
+    """
+    ca, cert, key = (getattr(args, f"tls_{x}", None) for x in ("ca", "cert", "key"))
+    if not (ca or cert or key):
+        if getattr(args, "tls_server_name", None):
+            raise ValueError("--tls-server-name needs TLS: give --tls-ca (and for mutual TLS "
+                             "--tls-cert/--tls-key)")
         return None
-    return dict(ca=args.tls_ca, cert=args.tls_cert, key=args.tls_key,
-                server_name=args.tls_server_name)
+    if bool(cert) != bool(key):
+        raise ValueError("--tls-cert and --tls-key must be given together (mutual TLS)")
+    for flag, path in (("--tls-ca", ca), ("--tls-cert", cert), ("--tls-key", key)):
+        if path and not os.path.isfile(path):
+            raise ValueError(f"{flag}: no such file: {path}")
+    return dict(ca=ca, cert=cert, key=key, server_name=args.tls_server_name)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool | None) -> list[int]:
@@ -81,7 +96,13 @@ class Pair:
         a = self.args
         target_addr, draft_addr = a.target_addr, a.draft_addr
         want_draft = self.need_draft and a.mode != "target-only"
-        if target_addr is None or (want_draft and draft_addr is None):
+        tls = tls_from_args(a)
+        local = target_addr is None or (want_draft and draft_addr is None)
+        if tls and local:
+            raise ValueError("the --tls-* flags secure the channels to running services: give "
+                             "--target-addr and --draft-addr (local services listen on "
+                             "loopback without TLS)")
+        if local:
             self.local = LocalServices(
                 target=a.target,
                 draft=a.draft if want_draft and draft_addr is None else None,
@@ -93,8 +114,7 @@ class Pair:
                 target_addr = target_addr or self.local.target_addr
                 draft_addr = draft_addr or self.local.draft_addr
             self.orch = await connect(target_addr, draft_addr if want_draft else None,
-                                      tokenizer_spec=a.tokenizer or a.target,
-                                      tls=tls_from_args(a))
+                                      tokenizer_spec=a.tokenizer or a.target, tls=tls)
         except BaseException:  # failed or cancelled start: __aexit__ will not run
             if self.local is not None:
                 self.local.stop()

@@ -45,6 +45,12 @@ class ServiceError(Exception):
         return self.code in RETRIABLE
 
 
+def _tls_failure(details: str) -> bool:
+    """Whether a connection failed in the TLS handshake (a wrong CA, certificate or name)."""
+    lowered = details.lower()
+    return "handshake" in lowered or "certificate" in lowered
+
+
 class History:
     """A session's committed tokens (prompt first) with the rolling hash of every prefix."""
 
@@ -116,15 +122,29 @@ class ServiceClient:
         self.known: dict[str, list[int]] = {}
 
     async def wait_ready(self, timeout_s: float = 300.0) -> pb.ModelInfo:
-        """Wait until the service answers GetInfo (it is UNAVAILABLE while loading)."""
-        deadline = time.monotonic() + timeout_s
+        """Wait until the service answers GetInfo (it is UNAVAILABLE while loading).
+
+        A failed TLS handshake does not heal by waiting: it fails at once. A service that
+        refuses the channel silently (mutual TLS without a client certificate, plaintext to a
+        TLS port) looks like one still starting, so the wait says what it saw every 30 s.
+        """
+        started = time.monotonic()
+        deadline = started + timeout_s
+        next_note = started + 30.0
         while True:
             try:
                 self.info = await self.stub.GetInfo(pb.InfoRequest(), timeout=10)
                 return self.info
             except grpc.aio.AioRpcError as exc:
-                if exc.code() not in RETRIABLE or time.monotonic() > deadline:
-                    raise ServiceError(self.role, exc.code(), exc.details() or "") from None
+                details = exc.details() or ""
+                if (exc.code() not in RETRIABLE or time.monotonic() > deadline
+                        or _tls_failure(details)):
+                    raise ServiceError(self.role, exc.code(),
+                                       f"{self.address}: {details}") from None
+                if time.monotonic() > next_note:
+                    log.warning("still waiting for the %s service at %s (%.0fs): %s", self.role,
+                                self.address, time.monotonic() - started, details)
+                    next_note += 30.0
             await asyncio.sleep(0.2)
 
     def ref(self, session_id: str, history: History) -> tuple[pb.SessionRef, list[int]]:

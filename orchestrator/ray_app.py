@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 import os
 import threading
@@ -452,7 +453,8 @@ def native_routes(router, api_key: str | None) -> fastapi.APIRouter:
     from specdec.config import SamplingParams
 
     def authorize(authorization: str | None = fastapi.Header(default=None)) -> None:
-        if api_key and authorization != f"Bearer {api_key}":
+        expected = f"Bearer {api_key}".encode()
+        if api_key and not hmac.compare_digest((authorization or "").encode(), expected):
             raise fastapi.HTTPException(401, "missing or wrong API key")
 
     routes = fastapi.APIRouter(dependencies=[fastapi.Depends(authorize)])

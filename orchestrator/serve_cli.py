@@ -25,6 +25,8 @@ def register(subparsers) -> None:
     s.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every path but /health "
                         "(default: $SPECDEC_API_KEY; unset = no key)")
+    s.add_argument("--ssl-certfile", help="serve HTTPS with this certificate (PEM)")
+    s.add_argument("--ssl-keyfile", help="the certificate's private key (PEM)")
     s.add_argument("--model-name", default="specdec",
                    help="the model id clients send and /v1/models lists")
     s.add_argument("--log-level", default="INFO",
@@ -40,6 +42,12 @@ def cmd_serve(args) -> int:
     from orchestrator.api import ServeDefaults, create_app
     from orchestrator.cli import Pair
 
+    if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
+        raise SystemExit("error: --ssl-certfile and --ssl-keyfile must be given together")
+    for flag, path in (("--ssl-certfile", args.ssl_certfile), ("--ssl-keyfile", args.ssl_keyfile)):
+        if path and not os.path.isfile(path):
+            raise SystemExit(f"error: {flag}: no such file: {path}")
+    scheme = "https" if args.ssl_certfile else "http"
     try:
         defaults = ServeDefaults(max_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_p=args.top_p, top_k=args.top_k, mode=args.mode, k=args.k,
@@ -73,7 +81,8 @@ def cmd_serve(args) -> int:
             # Our logging config and per-request line (orchestrator.api), not uvicorn's.
             config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                                     access_log=False, lifespan="off",
-                                    timeout_graceful_shutdown=5)
+                                    timeout_graceful_shutdown=5,
+                                    ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
             server = Server(config)
             task = asyncio.ensure_future(server.serve())
             while not server.started and not task.done():
@@ -86,7 +95,7 @@ def cmd_serve(args) -> int:
                         f.write(str(port))
                     os.replace(tmp, args.port_file)  # readers never see a partial file
                 print(f"specdec serve: model {args.model_name!r} on "
-                      f"http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
+                      f"{scheme}://{args.host}:{port}/v1", file=sys.stderr, flush=True)
             await task
 
     try:
