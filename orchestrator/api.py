@@ -28,7 +28,8 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from orchestrator.clients import ServiceError
@@ -70,7 +71,41 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+def _invalid_text(value: Any) -> str | None:
+    """The path of the first string in parsed JSON that is not valid Unicode, or None.
+
+    JSON's escapes can spell lone surrogates ("\\ud800"): Python parses them into strings that
+    no tokenizer and no UTF-8 response can take. Iterative: bodies may nest deeply.
+    """
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "body"
+        elif isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                stack.append((f"{path}.{key}" if path else str(key), child))
+                stack.append((path or "body", key))
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", child) for i, child in reversed(list(enumerate(item))))
+    return None
+
+
 class _GenerationBody(_Body):
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = _invalid_text(data)
+        if path:
+            raise PydanticCustomError(
+                "invalid_unicode", "{path}: not valid Unicode text (a lone surrogate escape "
+                "such as \\ud800 encodes no character)",
+                {"path": path, "param": path.split(".")[0].split("[")[0]})
+        return data
+
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -147,6 +182,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         return _invalid("invalid request body")
     err = errors[0]
     loc = [p for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "invalid_unicode":
+        return _invalid(err["msg"], err["ctx"]["param"])
     if err.get("type") == "json_invalid":
         return _invalid(f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
     if not loc:
@@ -351,8 +388,9 @@ class _Front:
         seed = secrets.randbits(63) if body.seed is None else body.seed
         try:
             sampling = SamplingParams(temperature, top_k, top_p, seed)
-        except ValueError as exc:
-            raise _invalid(str(exc), "top_k" if "top_k" in str(exc) else "seed")
+        except ValueError as exc:  # its messages start with the field's name
+            raise _invalid(str(exc), next((p for p in ("temperature", "top_k", "top_p", "seed")
+                                           if str(exc).startswith(p)), None))
         stop = d.stop if body.stop is None else [body.stop] if isinstance(body.stop, str) \
             else body.stop
         mode = body.specdec_mode or d.mode
@@ -554,6 +592,12 @@ def create_app(backend, model_name: str, api_key: str | None = None, *,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400:  # FastAPI could not even decode the body
+            cause = exc.__cause__
+            why = ("it is not UTF-8" if isinstance(cause, UnicodeDecodeError) else
+                   "it is nested too deeply" if isinstance(cause, RecursionError) else
+                   str(exc.detail))
+            return error_response(request, _invalid(f"malformed JSON body: {why}"))
         err = APIError(exc.status_code, str(exc.detail),
                        code="not_found" if exc.status_code == 404 else None)
         return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)

@@ -6,11 +6,18 @@ import dataclasses
 import os
 
 MAX_K = 64
+# Below this temperature logits / temperature overflows float32 (NaN probabilities); greedy
+# decoding is the limit of sampling as the temperature goes to 0, so it is used instead (as
+# vLLM does below 1e-5).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# The wire carries temperature as a float32 and top_k as an int32.
+_FLOAT32_MAX = 3.4028234663852886e38
+_INT32_MAX = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How logits become tokens. ``temperature == 0`` means greedy decoding."""
+    """How logits become tokens. ``temperature == 0`` (or below 1e-5) means greedy decoding."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 = no top-k limit
@@ -18,10 +25,11 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = no limit), got {self.top_k}")
+        if not (0.0 <= self.temperature <= _FLOAT32_MAX):  # also refuses NaN
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 <= self.top_k <= _INT32_MAX):
+            raise ValueError(f"top_k must be in [0, {_INT32_MAX}] (0 = no limit), "
+                             f"got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.seed < 2**64):
@@ -29,15 +37,16 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @classmethod
     def from_wire(cls, msg) -> "SamplingParams":
-        """Build from a ``specdec.v1.SamplingParams`` message (top_p 0 is read as 1)."""
+        """Build from a ``specdec.v1.SamplingParams`` message (top_p 0, proto3's "unset", is
+        read as 1; a negative or NaN top_p is refused like any other)."""
         return cls(
             temperature=float(msg.temperature),
             top_k=int(msg.top_k),
-            top_p=float(msg.top_p) if msg.top_p > 0 else 1.0,
+            top_p=float(msg.top_p) if msg.top_p != 0 else 1.0,
             seed=int(msg.seed),
         )
 

@@ -105,8 +105,65 @@ def enable_reflection(server: grpc.aio.Server, full_service_names: list[str]) ->
                                          reflection.SERVICE_NAME], server)
 
 
+class _Undecodable:
+    """What a request that is not a valid protobuf message decodes to (see DecodeGuard)."""
+
+    def __init__(self, error: Exception):
+        self.message = f"the request is not a valid protobuf message: {error}"
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Answer INVALID_ARGUMENT to bytes that do not parse as the method's request message.
+
+    gRPC itself would answer UNKNOWN and log a traceback per message; corrupt bytes are bad
+    input like any other. The deserializer returns a marker instead of raising, and the
+    handler aborts on it before the servicer sees it.
+    """
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(data: bytes):
+            try:
+                return parse(data)
+            except Exception as exc:  # DecodeError, bad UTF-8 in a string field, ...
+                return _Undecodable(exc)
+
+        async def refuse(request, context) -> None:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+        async def checked(requests, context):
+            async for request in requests:
+                await refuse(request, context)
+                yield request
+
+        if handler.unary_unary is not None:
+            behavior = handler.unary_unary
+
+            async def unary_unary(request, context):
+                await refuse(request, context)
+                return await behavior(request, context)
+
+            return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
+        if handler.stream_stream is not None:
+            behavior = handler.stream_stream
+
+            async def stream_stream(requests, context):
+                async for response in behavior(checked(requests, context), context):
+                    yield response
+
+            return handler._replace(request_deserializer=deserialize,
+                                    stream_stream=stream_stream)
+        return handler  # specdec has no unary-stream or stream-unary methods
+
+
 def make_server(max_message_bytes: int) -> grpc.aio.Server:
-    return grpc.aio.server(options=server_options(max_message_bytes))
+    return grpc.aio.server(options=server_options(max_message_bytes),
+                           interceptors=[DecodeGuard()])
 
 
 def bind(server: grpc.aio.Server, host: str, port: int, config=None) -> int:
