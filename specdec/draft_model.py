@@ -1,7 +1,7 @@
 """specdec's own draft models: the file format, loading, and the trainable module.
 
 A draft directory holds ``draft.json`` (architecture, target, recipe card) and
-``weights.safetensors`` (fp16). Drafts made by ``specdec distill`` read their input embedding
+``weights.safetensors`` (matrices as per-row int8 with fp16 scales, vectors fp16). Drafts made by ``specdec distill`` read their input embedding
 from the target's weights (``embed_from_target``), so the file stores only what is not the
 target's: a few transformer layers, a norm, and a head over a *reduced vocabulary* (the target's
 most frequent output tokens, ``vocab_map``). The draft's q is zero outside that vocabulary,
@@ -59,11 +59,29 @@ def target_embedding(target: str) -> torch.Tensor:
     raise KeyError(f"{path} holds no input embedding")
 
 
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8: w ~= q * scale[:, None]."""
+    scale = (w.abs().amax(dim=1).clamp_min(1e-8) / 127.0).float()
+    q = torch.round(w.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(torch.float16)
+
+
+def _dequantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".int8"):
+            base = name[: -len(".int8")]
+            out[base] = t.float() * tensors[base + ".scale"].float()[:, None]
+        elif not name.endswith(".scale"):
+            out[name] = t
+    return out
+
+
 def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     meta = read_meta(path)
-    weights = {k: v for k, v in load_file(str(pathlib.Path(path) / WEIGHTS_FILE)).items()}
+    weights = _dequantize(load_file(str(pathlib.Path(path) / WEIGHTS_FILE)))
     if meta.get("embed_from_target"):
         weights["embed"] = target_embedding(meta["target"])
     return meta, weights
@@ -82,8 +100,12 @@ def load_engine(path, device, fast_linear: bool):
 
 
 def save(path, arch: ArchConfig, weights: dict[str, torch.Tensor], vocab_map: torch.Tensor,
-         target: str, card: dict) -> None:
-    """Write a draft directory (fp16 weights, input embedding left to the target)."""
+         target: str, card: dict, int8: bool = True) -> None:
+    """Write a draft directory, input embedding left to the target.
+
+    Matrices are stored as per-row int8 with fp16 scales (``int8``, half the size of fp16;
+    the draft *is* what is stored, so exactness is unaffected), vectors as fp16.
+    """
     from safetensors.torch import save_file
 
     from specdec.models import load_tokenizer
@@ -91,7 +113,14 @@ def save(path, arch: ArchConfig, weights: dict[str, torch.Tensor], vocab_map: to
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in weights.items() if k != "embed"}
+    tensors = {}
+    for k, v in weights.items():
+        if k == "embed":
+            continue
+        if int8 and v.dim() == 2:
+            tensors[k + ".int8"], tensors[k + ".scale"] = quantize_int8(v.detach())
+        else:
+            tensors[k] = v.detach().to(torch.float16).contiguous()
     tensors["vocab_map"] = vocab_map.to(torch.int32).contiguous()
     save_file(tensors, str(path / WEIGHTS_FILE))
     meta = dict(
