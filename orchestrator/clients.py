@@ -48,7 +48,7 @@ class ServiceError(Exception):
 def _tls_failure(details: str) -> bool:
     """Whether a connection failed in the TLS handshake (a wrong CA, certificate or name)."""
     lowered = details.lower()
-    return "handshake" in lowered or "certificate" in lowered
+    return any(sign in lowered for sign in ("handshake", "certificate", "verification check"))
 
 
 class History:

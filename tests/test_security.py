@@ -122,15 +122,15 @@ def test_tls_generation_equals_transformers(tls_pair, tiny_models, pki):
 def test_tls_server_refuses_plaintext_and_clients_refuse_untrusted_servers(tls_pair, pki):
     target, _ = tls_pair
     assert refused(target.address, None).code == grpc.StatusCode.UNAVAILABLE
-    # a server whose certificate our CA did not sign: the handshake fails, at once
-    started = time.monotonic()
-    err = refused(target.address, dict(ca=pki["other_ca"].cert_path), timeout_s=120)
-    assert err.code == grpc.StatusCode.UNAVAILABLE and "handshake" in err.details.lower()
-    assert time.monotonic() - started < 60  # failed fast rather than waiting out the timeout
-    # ... or a certificate for another name
-    err = refused(target.address, client_tls(pki, cert=False, server_name="specdec-other"),
-                  timeout_s=120)
-    assert err.code == grpc.StatusCode.UNAVAILABLE
+    # a server whose certificate our CA did not sign, or one for another name: the handshake
+    # fails, and the connection attempt with it at once rather than after its 120 s
+    for tls, why in ((dict(ca=pki["other_ca"].cert_path), "handshake failed"),
+                     (client_tls(pki, cert=False, server_name="specdec-other"),
+                      "hostname verification")):
+        started = time.monotonic()
+        err = refused(target.address, tls, timeout_s=120)
+        assert err.code == grpc.StatusCode.UNAVAILABLE and why in err.details.lower(), err
+        assert time.monotonic() - started < 60
 
 
 def test_mutual_tls_generation_equals_transformers(mtls_pair, tiny_models, pki):
