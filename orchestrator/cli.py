@@ -45,6 +45,9 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="client certificate for mutual TLS (enables TLS)")
     p.add_argument("--tls-key", help="client key for mutual TLS")
     p.add_argument("--tls-server-name", help="expected server name in the certificates")
+    p.add_argument("--target-deadline-s", type=float, default=60.0,
+                   help="how long a request retries an unreachable target before failing "
+                        "with UNAVAILABLE / HTTP 503 (default %(default)s)")
 
 
 def tls_from_args(args) -> dict | None:
@@ -114,6 +117,7 @@ class Pair:
                 target_addr = target_addr or self.local.target_addr
                 draft_addr = draft_addr or self.local.draft_addr
             self.orch = await connect(target_addr, draft_addr if want_draft else None,
+                                      target_deadline_s=a.target_deadline_s,
                                       tokenizer_spec=a.tokenizer or a.target, tls=tls)
         except BaseException:  # failed or cancelled start: __aexit__ will not run
             if self.local is not None:

@@ -24,7 +24,11 @@ from specdec.wire import specdec_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SESSION_LOST = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
-RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Worth retrying against a target that may come back: unreachable or restarting (UNAVAILABLE),
+# too slow (DEADLINE_EXCEEDED), or a transport that broke mid-stream (INTERNAL, CANCELLED when
+# the server shut down). Retrying is safe: every call states the prefix it builds on.
+RETRIABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+             grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
 
 
 class ServiceError(Exception):

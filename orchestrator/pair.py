@@ -35,9 +35,15 @@ def check_pair(target_info, draft_info, tokenizer_fp: str | None = None) -> None
 
 async def connect(target_addr: str, draft_addr: str | None, tokenizer_spec: str = "default",
                   tls: dict | None = None, timeout_s: float = 30.0,
-                  ready_timeout_s: float = 600.0, tokenizer=None) -> Orchestrator:
-    """Wait for both services, check the pair, and return an Orchestrator over them."""
-    target = TargetClient(target_addr, tls=tls, timeout_s=timeout_s)
+                  ready_timeout_s: float = 600.0, tokenizer=None,
+                  target_deadline_s: float = 60.0) -> Orchestrator:
+    """Wait for both services, check the pair, and return an Orchestrator over them.
+
+    ``target_deadline_s``: how long a generation keeps retrying an unreachable target
+    (restarting, reloading) before it fails with UNAVAILABLE.
+    """
+    target = TargetClient(target_addr, tls=tls, timeout_s=timeout_s,
+                          unavailable_deadline_s=target_deadline_s)
     draft = DraftClient(draft_addr, tls=tls, timeout_s=timeout_s) if draft_addr else None
     waits = [target.wait_ready(ready_timeout_s)]
     if draft is not None:

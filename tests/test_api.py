@@ -36,7 +36,8 @@ class ApiHost:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.orch = self.call(connect(target_addr, draft_addr, tokenizer_spec="default"))
+        self.orch = self.call(connect(target_addr, draft_addr, tokenizer_spec="default",
+                                      target_deadline_s=2.0))
         self.servers = []
 
     def call(self, coro, timeout: float = 300):

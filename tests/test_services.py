@@ -14,6 +14,15 @@ from specdec.wire import specdec_pb2_grpc as pb_grpc
 PROMPTS = [[1, 520, 3300, 12, 99, 7], list(range(2000, 2040)), [5, 6, 7, 5, 6, 7, 5, 6]]
 
 
+@pytest.fixture(autouse=True)
+def _close_leftover_sessions(tiny_services):
+    """Tests here open sessions by raw RPCs; close them so later tests see clean services."""
+    yield
+    for svc in tiny_services.values():
+        for sid in svc.runtime.store.ids():
+            svc.runtime.store.close(sid)
+
+
 async def _generate(services, draft_key, prompt, mode, k, max_new=40, sampling=None, hook=None):
     draft = services[draft_key].address if draft_key else None
     orch = await connect(services["target"].address, draft, tokenizer_spec="default")
