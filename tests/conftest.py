@@ -16,6 +16,10 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # a cluster started with node IP 127.0.0.1 does not listen.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# On a busy 2-core machine Serve's HTTP proxy can take longer than its default 5 s readiness
+# check to come up; the controller then kills and restarts it forever.
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "60")
+os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "60")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
