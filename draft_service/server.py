@@ -18,13 +18,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
-class DraftServicer(pb_grpc.DraftServiceServicer):
+class DraftServicer(rpc.CommonServicerMixin, pb_grpc.DraftServiceServicer):
+    pb = pb
+
     def __init__(self, host: rpc.ServiceHost):
         self.host = host
-
-    async def GetInfo(self, request, context):
-        rt = await self.host.runtime_or_abort(context)
-        return rpc.info_message(pb, rt.info)
 
     async def _propose(self, request, context):
         rt = await self.host.runtime_or_abort(context)
@@ -48,13 +46,6 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         async for request in request_iterator:
             yield await self._propose(request, context)
 
-    async def CloseSession(self, request, context):
-        rt = await self.host.runtime_or_abort(context)
-        return pb.CloseResponse(released=rt.close_session(request.session_id))
-
-    async def GetStats(self, request, context):
-        rt = await self.host.runtime_or_abort(context)
-        return rpc.stats_message(pb, rt.stats())
 
 
 def make_host(config: ServiceConfig, target: str = "default", q_top_k: int = 64) -> rpc.ServiceHost:

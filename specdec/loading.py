@@ -39,16 +39,20 @@ def build_target(config: ServiceConfig) -> TargetRuntime:
     _set_threads(config)
     device = pick_device(config.device)
     engine, tokenizer, hf_config = load_engine(config.model, device, config.fast_linear)
-    info = ModelInfo(
+    return TargetRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine)
+
+
+def _model_info(config: ServiceConfig, engine, tokenizer, hf_config) -> ModelInfo:
+    """What GetInfo reports for a model service (costs are measured by the runtime)."""
+    return ModelInfo(
         model=config.model,
-        role="target",
+        role=config.role,
         tokenizer_fingerprint=fingerprint(tokenizer),
         vocab_size=engine.vocab_in,
         max_context=engine.arch.max_context,
         eos_token_ids=eos_token_ids(tokenizer, hf_config),
         forward_ms=[],
     )
-    return TargetRuntime(config, info, engine)
 
 
 def resolve_draft_spec(spec: str, target: str) -> str:
@@ -85,16 +89,8 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
         return DraftRuntime(config, info, None)
     device = pick_device(config.device)
     engine, tokenizer, hf_config = load_engine(spec, device, config.fast_linear)
-    info = ModelInfo(
-        model=config.model,
-        role="draft",
-        tokenizer_fingerprint=fingerprint(tokenizer),
-        vocab_size=engine.vocab_in,
-        max_context=engine.arch.max_context,
-        eos_token_ids=eos_token_ids(tokenizer, hf_config),
-        forward_ms=[],
-    )
-    return DraftRuntime(config, info, engine, q_top_k=q_top_k)
+    return DraftRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine,
+                        q_top_k=q_top_k)
 
 
 __all__ = ["build_target", "build_draft", "resolve_model_dir", "NGRAM", "DEFAULT_DRAFT"]

@@ -262,6 +262,25 @@ class ServiceHost:
             await self.stop()
 
 
+class CommonServicerMixin:
+    """GetInfo, CloseSession and GetStats, the same on both services (``self.host``, ``pb``)."""
+
+    host: "ServiceHost"
+    pb = None  # the generated message module, set by the service
+
+    async def GetInfo(self, request, context):
+        rt = await self.host.runtime_or_abort(context)
+        return info_message(self.pb, rt.info)
+
+    async def CloseSession(self, request, context):
+        rt = await self.host.runtime_or_abort(context)
+        return self.pb.CloseResponse(released=rt.close_session(request.session_id))
+
+    async def GetStats(self, request, context):
+        rt = await self.host.runtime_or_abort(context)
+        return stats_message(self.pb, rt.stats())
+
+
 def info_message(pb, info) -> object:
     return pb.ModelInfo(
         model=info.model, role=info.role, tokenizer_fingerprint=info.tokenizer_fingerprint,

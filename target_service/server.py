@@ -17,13 +17,11 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
-class TargetServicer(pb_grpc.TargetServiceServicer):
+class TargetServicer(rpc.CommonServicerMixin, pb_grpc.TargetServiceServicer):
+    pb = pb
+
     def __init__(self, host: rpc.ServiceHost):
         self.host = host
-
-    async def GetInfo(self, request, context):
-        rt = await self.host.runtime_or_abort(context)
-        return rpc.info_message(pb, rt.info)
 
     async def _verify(self, request, context):
         rt = await self.host.runtime_or_abort(context)
@@ -48,13 +46,6 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         async for request in request_iterator:
             yield await self._verify(request, context)
 
-    async def CloseSession(self, request, context):
-        rt = await self.host.runtime_or_abort(context)
-        return pb.CloseResponse(released=rt.close_session(request.session_id))
-
-    async def GetStats(self, request, context):
-        rt = await self.host.runtime_or_abort(context)
-        return rpc.stats_message(pb, rt.stats())
 
 
 def make_host(config: ServiceConfig) -> rpc.ServiceHost:
