@@ -223,9 +223,16 @@ class Orchestrator:
                 k = min(k_ctl.next_k(), remaining - 1, MAX_K) if k_ctl else 0
                 k = max(k, 0)
                 stats.k_requested.append(k)
-                # 1. the block for this round
+                # 1. the block for this round. Pipelined, the first round drafts nothing: the
+                # target's prefill produces its first token while the draft prefills and drafts
+                # past its guess of that token (step 2), which gives time to first token = the
+                # target's prefill alone.
                 no_draft = False
-                if k > 0 and block is None:
+                first_pipelined = (req.mode == "pipelined" and stats.rounds == 0 and k > 0
+                                   and await self.draft.available())
+                if first_pipelined:
+                    block = _Block([], [])
+                elif k > 0 and block is None:
                     if await self.draft.available():
                         block = await self._draft(session_id, history, [], k, req, stats)
                     no_draft = block is None
@@ -237,8 +244,8 @@ class Orchestrator:
                     block = _Block([], [])
                 # 2. pipelined: keep drafting past the block while the target verifies it
                 k_next = 0
-                if (req.mode == "pipelined" and block.tokens and self.draft is not None
-                        and remaining - len(block.tokens) - 1 > 0):
+                if (req.mode == "pipelined" and (block.tokens or first_pipelined)
+                        and self.draft is not None and remaining - len(block.tokens) - 1 > 0):
                     k_next = min(k_ctl.next_k(after_full_accept=True), MAX_K,
                                  remaining - len(block.tokens) - 2)
                 if k_next > 0:
