@@ -156,9 +156,16 @@ def init_from_target(recipe: Recipe, vocab_map: torch.Tensor) -> tuple[DraftModu
 
 
 def train(module: DraftModule, examples: Examples, recipe: Recipe, ckpt: pathlib.Path | None,
-          held_out: Examples | None = None) -> dict:
-    """AdamW with warmup + cosine decay; resumable from ``ckpt``. Returns training figures."""
+          held_out: Examples | None = None, eval_every: int = 0) -> dict:
+    """AdamW with warmup + cosine decay; resumable from ``ckpt``. Returns training figures.
+
+    Runs on the module's device. With ``held_out`` and ``eval_every``, the held-out top-1
+    agreement is measured every ``eval_every`` steps and the best weights are kept (early
+    stopping against over-fitting a small data set).
+    """
     params = [p for p in module.parameters() if p.requires_grad]
+    device = params[0].device
+    best = (-1.0, None, 0)  # (held-out top-1, state, step)
     opt = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=recipe.weight_decay,
                             betas=(0.9, 0.98))
     step = 0
@@ -188,7 +195,7 @@ def train(module: DraftModule, examples: Examples, recipe: Recipe, ckpt: pathlib
             pool = list(batches)
             rng.shuffle(pool)
         idx = pool.pop()
-        tokens, rows, tgt_ids, tgt_lp = examples.batch(idx)
+        tokens, rows, tgt_ids, tgt_lp = (x.to(device) for x in examples.batch(idx))
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         logits = module(tokens)
@@ -202,6 +209,12 @@ def train(module: DraftModule, examples: Examples, recipe: Recipe, ckpt: pathlib
         ema_agree = agree.item() if ema_agree is None else 0.95 * ema_agree + 0.05 * agree.item()
         bar.set_postfix(loss=f"{ema_loss:.3f}", top1=f"{ema_agree:.3f}")
         bar.update(1)
+        if held_out is not None and eval_every and (step % eval_every == 0 or step == recipe.steps):
+            score = teacher_forced_agreement(module, held_out)
+            module.train()
+            if score > best[0]:
+                best = (score, {k: v.detach().clone() for k, v in module.state_dict().items()}, step)
+            log.info("step %d: held-out top-1 %.4f (best %.4f at %d)", step, score, best[0], best[2])
         if ckpt is not None and (step % 50 == 0 or step == recipe.steps):
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
@@ -209,6 +222,9 @@ def train(module: DraftModule, examples: Examples, recipe: Recipe, ckpt: pathlib
     bar.close()
     module.eval()
     out = {"steps": step, "train_loss_ema": ema_loss, "train_top1_ema": ema_agree}
+    if best[1] is not None:
+        module.load_state_dict(best[1])
+        out["kept_step"] = best[2]
     if held_out is not None:
         out["held_out_top1"] = teacher_forced_agreement(module, held_out)
     return out
@@ -217,8 +233,12 @@ def train(module: DraftModule, examples: Examples, recipe: Recipe, ckpt: pathlib
 @torch.no_grad()
 def teacher_forced_agreement(module: DraftModule, examples: Examples, batch: int = 16) -> float:
     hit = n = 0
+    device = module.embed.device
+    module.eval()
     for i in range(0, len(examples), batch):
-        tokens, rows, tgt_ids, _ = examples.batch(list(range(i, min(i + batch, len(examples)))))
+        tokens, rows, tgt_ids, _ = (
+            x.to(device) for x in examples.batch(list(range(i, min(i + batch, len(examples)))))
+        )
         pred = module(tokens).reshape(-1, module.vocab_map.shape[0])[rows].argmax(-1)
         hit += int((pred == tgt_ids[:, 0]).sum())
         n += len(rows)

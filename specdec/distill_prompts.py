@@ -101,6 +101,72 @@ TEMPLATES = [
     "Create a short quiz with three questions about {t}.",
 ]
 
+# A wider topic and phrasing set for drafts built with more data (``prompt_set="wide"``);
+# none of these appear in the held-out lists below.
+WIDE_TOPICS = [
+    "quantum computing", "the stock exchange of a small town", "coffee farming", "tea ceremonies",
+    "the Amazon river", "the Sahara", "Antarctica", "the Arctic", "polar bears", "wolves",
+    "owls", "sharks", "whales", "frogs", "snakes", "spiders", "honey", "apples", "bananas",
+    "potatoes", "tomatoes", "spices", "soup", "pizza", "sushi", "tacos", "salad", "breakfast",
+    "vegetarian cooking", "fermentation", "food safety", "kitchen knives", "cast iron pans",
+    "bicycles", "motorcycles", "sailing", "rowing", "swimming", "tennis", "golf", "cricket",
+    "baseball", "skiing", "surfing", "rock climbing", "pilates", "stretching",
+    "posture", "hydration", "the common cold", "allergies", "headaches", "eyesight", "hearing",
+    "the lungs", "the stomach", "muscles", "the skin", "hormones", "blood", "antibiotics",
+    "hand washing", "mental health", "loneliness", "habits", "motivation", "procrastination",
+    "focus", "note taking", "studying for exams", "reading books", "speed reading",
+    "memory techniques", "critical thinking", "logic puzzles", "riddles", "probability",
+    "statistics", "algebra", "geometry", "fractions", "prime numbers", "infinity", "calculus",
+    "graphs and charts", "word processors", "typing", "keyboards", "computer mice",
+    "monitors", "laptops", "tablets", "printers", "Wi-Fi", "Bluetooth", "GPS", "satellites",
+    "rockets", "the International Space Station", "astronauts", "Jupiter", "Saturn", "Venus",
+    "the sun", "stars", "galaxies", "eclipses", "meteor showers", "the seasons", "clouds",
+    "rainbows", "lightning", "hurricanes", "tornadoes", "floods", "droughts", "wildfires",
+    "air pollution", "composting", "zero waste living", "public transport", "traffic",
+    "parking", "electric scooters", "self-driving cars", "ships", "ports", "canals", "tunnels",
+    "roads", "architecture", "castles", "pyramids", "temples", "gardens", "parks", "zoos",
+    "aquariums", "circuses", "theaters", "opera", "ballet", "hip hop", "rock music",
+    "classical music", "pianos", "drums", "singing", "songwriting", "film making", "animation",
+    "comic books", "novels", "fairy tales", "myths", "legends", "detective stories",
+    "science fiction", "fantasy worlds", "a space station", "a magic library", "a lost cat",
+    "a brave knight", "a secret garden", "a friendly ghost", "an old map", "a treasure hunt",
+    "a mystery on a train", "a robot chef", "a talking dog", "a tiny dragon", "a storm at sea",
+    "a school trip", "a first day at work", "a family dinner", "a surprise gift", "a road trip",
+    "a picnic", "a festival", "a market", "a bakery", "a bookshop", "a hospital", "a farm",
+    "an island", "a forest", "a mountain village", "a desert oasis", "the future of work",
+    "artificial intelligence", "chatbots", "privacy online", "passwords", "phishing",
+    "computer viruses", "backups", "version control", "unit testing", "debugging",
+    "algorithms", "sorting algorithms", "binary search", "data structures", "hash tables",
+    "linked lists", "recursion", "APIs", "web browsers", "HTML", "CSS", "JavaScript",
+    "Python", "Linux", "the command line", "containers", "microservices", "networking",
+    "IP addresses", "DNS", "email", "spam", "online shopping", "credit cards", "saving money",
+    "investing", "insurance", "renting an apartment", "buying a car", "negotiating a salary",
+    "career changes", "volunteering", "charity", "community gardens", "neighbors", "manners",
+    "gratitude", "patience", "curiosity", "creativity", "failure", "success", "happiness",
+    "empathy", "conflict resolution", "parenting", "grandparents", "pets", "houseplants",
+    "cleaning", "laundry", "cooking for one", "hosting guests", "traveling abroad",
+    "packing a suitcase", "jet lag", "learning to swim", "learning to drive", "first jobs",
+]
+
+WIDE_TEMPLATES = [
+    "Can you explain {t} briefly?",
+    "Write a short introduction to {t} for beginners.",
+    "What is the most important thing to understand about {t}?",
+    "Give me two examples that show how {t} works.",
+    "Write a short, funny story involving {t}.",
+    "What are the main challenges of {t}?",
+    "Describe a typical day involving {t}.",
+    "Explain the basics of {t} in a numbered list.",
+    "Write a short speech about {t}.",
+    "What advice would an expert give about {t}?",
+    "How has {t} changed over time?",
+    "Write a product description inspired by {t}.",
+    "Give me a fun fact about {t} and explain it.",
+    "Write a short letter to a friend describing {t}.",
+    "What are some good questions to ask about {t}?",
+    "Explain {t} using an analogy.",
+]
+
 # Used only for held-out prompts, so the evaluation also sees unseen phrasings.
 HELD_OUT_TEMPLATES = [
     "Tell me about {t}.",
@@ -150,9 +216,18 @@ def _conversations(
     return convs
 
 
-def train_conversations(n: int = 1200, seed: int = 0) -> list[list[dict]]:
-    """n single-turn chat prompts over the training topics and code tasks."""
-    return _conversations(TRAIN_TOPICS, TEMPLATES, n, seed, with_code=True)
+def train_conversations(n: int = 1200, seed: int = 0, prompt_set: str = "base") -> list[list[dict]]:
+    """n single-turn chat prompts over the training topics and code tasks.
+
+    ``prompt_set="wide"`` adds WIDE_TOPICS and WIDE_TEMPLATES (about 16k distinct prompts
+    instead of 3.7k), for builds with more data than the base set can feed.
+    """
+    if prompt_set == "base":
+        return _conversations(TRAIN_TOPICS, TEMPLATES, n, seed, with_code=True)
+    if prompt_set == "wide":
+        return _conversations(TRAIN_TOPICS + WIDE_TOPICS, TEMPLATES + WIDE_TEMPLATES, n, seed,
+                              with_code=True)
+    raise ValueError(f"unknown prompt set {prompt_set!r} (base or wide)")
 
 
 def held_out_conversations(n: int = 48, seed: int = 1) -> list[list[dict]]:
