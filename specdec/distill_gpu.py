@@ -16,7 +16,7 @@ on-policy tokens. Three steps, so the GPU machine needs only PyTorch, transforme
    evaluate it on the held-out set on this machine.
 
     python -m specdec.distill_gpu prepare --out runs/d3
-    python -m specdec.distill_gpu run --out runs/d3 --gguf PATH.gguf     # on the GPU
+    python -m specdec.distill_gpu run --out runs/d3 --target PATH.gguf   # on the GPU
     python -m specdec.distill_gpu finish --out runs/d3
 
 The target runs in float32 with TF32 off, so its argmax and log-probs are the ones the CPU
@@ -170,7 +170,7 @@ def _seconds_per_step(module, examples: distill.Examples, recipe: distill.Recipe
     return (time.time() - t0) / n
 
 
-def run(out: pathlib.Path, gguf: str, gen_seconds: float, train_seconds: float, batch: int,
+def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float, batch: int,
         temperatures: list[float], max_new: int, recipe: distill.Recipe, max_epochs: float,
         eval_every: int) -> dict:
     from specdec.models import load_hf_model
@@ -182,7 +182,8 @@ def run(out: pathlib.Path, gguf: str, gen_seconds: float, train_seconds: float, 
     data = torch.load(out / PROMPTS_FILE, weights_only=True)
     data["prompts"] = list(data["tokens"].split(data["lengths"].tolist()))
     held = torch.load(out / HELD_OUT_FILE, weights_only=True)
-    model, _ = load_hf_model(gguf, device)
+    model, _ = load_hf_model(target, device)
+    vocab_size = int(model.config.vocab_size)
     t_loaded = time.time()
     records = generate(model, data["prompts"], temperatures, data["eos"], data["pad"], max_new,
                        batch, 32, gen_seconds, recipe.seed, device)
@@ -194,11 +195,9 @@ def run(out: pathlib.Path, gguf: str, gen_seconds: float, train_seconds: float, 
     print(f"data: {len(records)} answers, {n_tokens} target tokens in {t_data - t_loaded:.0f} s "
           f"({n_tokens / max(t_data - t_loaded, 1e-9):.0f} tok/s)", flush=True)
 
-    recipe = dataclasses.replace(recipe, target=gguf)
+    recipe = dataclasses.replace(recipe, target=target)
     torch.manual_seed(recipe.seed)
     vocab_map = distill.build_vocab(records, recipe.vocab, sorted(data["eos"]))
-    vocab_size = int(max(int(vocab_map.max()), max(int(r["top_ids"].max()) for r in records)) + 1)
-    vocab_size = max(vocab_size, 49152)
     examples = distill.Examples(records, vocab_map, vocab_size, recipe.max_len)
     held_ex = distill.Examples(held, vocab_map, vocab_size, recipe.max_len)
     module, arch = distill.init_from_target(recipe, vocab_map)
@@ -273,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--seed", type=int, default=0)
     r = sub.add_parser("run", help="generate data and train (on a GPU)")
     r.add_argument("--out", required=True)
-    r.add_argument("--gguf", required=True, help="the target (a .gguf file or model directory)")
+    r.add_argument("--target", default="default",
+                   help="the target on this machine: default, a .gguf file or a model directory")
     r.add_argument("--gen-seconds", type=float, default=150)
     r.add_argument("--train-seconds", type=float, default=200)
     r.add_argument("--gen-batch", type=int, default=1024)
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = distill.Recipe(layers=tuple(int(x) for x in args.layers.split(",")),
                                 vocab=args.vocab, batch=args.batch, lr=args.lr,
                                 warmup=args.warmup, seed=args.seed)
-        run(out, args.gguf, args.gen_seconds, args.train_seconds, args.gen_batch,
+        run(out, args.target, args.gen_seconds, args.train_seconds, args.gen_batch,
             [float(t) for t in args.temperatures.split(",")], args.max_new_tokens, recipe,
             args.max_epochs, args.eval_every)
     else:

@@ -1,0 +1,69 @@
+"""The time-boxed GPU draft build (specdec.distill_gpu), run here on CPU on a tiny target."""
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from conftest import hf_greedy
+
+
+def test_batched_answers_match_the_targets_own_greedy_despite_left_padding(tiny_models):
+    from specdec.distill_gpu import answer_batch
+    from specdec.models import load_hf_model
+
+    target = tiny_models["target"]
+    model, _ = load_hf_model(target)
+    prompts = [torch.tensor(p, dtype=torch.int32)
+               for p in ([5, 17, 99, 3], [42] * 11, [7, 8, 9, 10, 11, 12, 200])]
+    temps = torch.tensor([0.0, 0.0, 1.0])
+    gen = torch.Generator().manual_seed(0)
+    recs = answer_batch(model, prompts, temps, eos=[0], pad=0, max_new=16, top_n=8, gen=gen)
+    assert len(recs) == 3
+    for p, r in zip(prompts[:2], recs[:2]):
+        ref = hf_greedy(target, p.tolist(), 16)
+        n = len(r["answer"])
+        assert r["answer"].tolist() == ref[:n]  # shorter only when it stopped at EOS
+        assert n == 16 or r["answer"][-1] == 0
+        # the kept top-N is the target's distribution at each answer position
+        assert r["top_ids"].shape == (n, 8) and torch.equal(r["top_ids"][:, 0], r["answer"])
+        assert bool((r["top_logprobs"][:, :-1] >= r["top_logprobs"][:, 1:]).all())
+    sampled = recs[2]
+    assert sampled["temperature"] == 1.0
+    assert 0 < len(sampled["answer"]) <= 16
+    assert int(sampled["answer"].max()) < model.config.vocab_size
+
+
+def test_prepare_run_finish_builds_an_evaluated_draft(tmp_path, tiny_models):
+    target = tiny_models["target"]
+    work = tmp_path / "d"
+    base = [sys.executable, "-m", "specdec.distill_gpu"]
+
+    def step(*args):
+        out = subprocess.run(base + list(args), capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out
+
+    step("prepare", "--out", str(work), "--target", target, "--prompts", "6",
+         "--heldout-prompts", "2", "--max-new-tokens", "12")
+    step("run", "--out", str(work), "--target", target, "--gen-seconds", "120",
+         "--train-seconds", "5", "--gen-batch", "4", "--max-new-tokens", "12",
+         "--temperatures", "0,1", "--layers", "0,1", "--vocab", "600", "--batch", "4",
+         "--warmup", "2", "--eval-every", "5")
+    gpu_card = json.loads((work / "gpu-card.json").read_text())
+    assert gpu_card["data"]["answers"] == 12  # 6 prompts x 2 temperatures, well inside budget
+    assert gpu_card["training"]["steps"] >= 20
+    assert 1 <= gpu_card["training"]["kept_step"] <= gpu_card["training"]["steps"]
+    step("finish", "--out", str(work), "--target", target)
+    meta = json.loads((work / "draft" / "draft.json").read_text())
+    held = meta["card"]["held_out"]
+    assert 0 < meta["vocab_out"] <= 600 and held["held_out_tokens"] > 0
+    assert 0.0 <= held["greedy_acceptance"] <= 1.0
+
+    from specdec.loading import load_engine
+
+    engine, _, _ = load_engine(str(work / "draft"), torch.device("cpu"), True)
+    cache = engine.new_cache()
+    logits = engine.forward([cache], [torch.tensor([1, 2, 3])], [1])[0]
+    assert logits.shape[-1] == meta["vocab_out"] and torch.isfinite(logits).all()
