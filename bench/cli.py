@@ -23,8 +23,11 @@ def register(sub) -> None:
     b.add_argument("--target", default="default")
     b.add_argument("--draft", default="default-draft")
     b.add_argument("--k", type=int, default=None, help="fixed k for specdec (default: adaptive)")
-    b.add_argument("--threads", type=int, default=1, help="torch threads per specdec service")
-    b.add_argument("--hf-threads", type=int, default=2, help="torch threads for HF baselines")
+    b.add_argument("--threads", type=int, default=0,
+                   help="torch threads per specdec service (0 = torch's default, every core: "
+                        "what `specdec generate` gives local services in its default mode)")
+    b.add_argument("--hf-threads", type=int, default=0,
+                   help="torch threads for HF baselines (0 = torch's default, every core)")
     b.add_argument("--out", default="bench/out", help="directory for the JSON and PNG plots")
     b.add_argument("--json", action="store_true", help="also print the summary as JSON")
     b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: throughput/latency vs concurrent "

@@ -72,7 +72,8 @@ class HFSystems:
                 self.assistant, _ = load_hf_model(spec)
 
     def run(self, system: str, prompt_ids: list[int], max_new: int) -> tuple[list[int], float]:
-        torch.set_num_threads(self.threads)
+        if self.threads:
+            torch.set_num_threads(self.threads)
         ids = torch.tensor([prompt_ids])
         kwargs = dict(max_new_tokens=max_new, do_sample=False, attention_mask=torch.ones_like(ids),
                       pad_token_id=self.tokenizer.eos_token_id)

@@ -11,7 +11,30 @@ import sys
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODE = "pipelined"
+DEFAULT_MODE = "auto"
+
+
+def shares_compute(args) -> bool:
+    """True when specdec starts both services itself, on this machine's cores.
+
+    Then draft and target compete for the same compute, and overlapping them (pipelined) only
+    splits it: measured on a 2-core CPU, sequential rounds with all cores per service beat
+    pipelined rounds with one core each (README, Results). Pipelining pays when the draft has
+    its own hardware: services at --draft-addr / --target-addr, or a Ray/Kubernetes deployment.
+    """
+    needs_draft = getattr(args, "draft", None) is not None
+    return args.target_addr is None and (args.draft_addr is None or not needs_draft)
+
+
+def resolve_auto(args) -> None:
+    """Settle ``--mode auto`` and ``--threads 0`` (auto) for this run, in place."""
+    cores = os.cpu_count() or 1
+    if args.mode == "auto":
+        args.mode = "spec" if shares_compute(args) else "pipelined"
+    if not args.threads:
+        # Local services take turns in spec / target-only mode, so each may use every core;
+        # pipelined local services run at the same time, so they split the cores.
+        args.threads = max(1, cores // 2) if args.mode == "pipelined" else cores
 
 
 def add_generation_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,9 +45,12 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--k", type=int, default=None,
                    help="draft tokens per round (default: adaptive; 0 = no speculation)")
-    p.add_argument("--mode", choices=["pipelined", "spec", "target-only"], default=DEFAULT_MODE,
-                   help="pipelined: draft ahead during verification (default); spec: sequential "
-                        "rounds; target-only: no draft, the baseline")
+    p.add_argument("--mode", choices=["auto", "pipelined", "spec", "target-only"],
+                   default=DEFAULT_MODE,
+                   help="pipelined: draft ahead during verification; spec: sequential rounds; "
+                        "target-only: no draft, the baseline; auto (default): spec when specdec "
+                        "starts both services on this machine (they share its cores), pipelined "
+                        "when they run elsewhere (--target-addr / --draft-addr)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
@@ -37,8 +63,9 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
                         "(prompt lookup), a specdec draft directory, .gguf or HF directory")
     p.add_argument("--target-addr", help="HOST:PORT of a running target service")
     p.add_argument("--draft-addr", help="HOST:PORT of a running draft service")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per local service (default 1: one core each)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads per local service (default 0 = auto: every core each "
+                        "in spec mode, half each in pipelined mode)")
     p.add_argument("--tokenizer", help="tokenizer for prompts (default: the --target model)")
     p.add_argument("--tls-ca", help="TLS to the services: the CA that signed their certificates "
                                     "(without it, the system's roots)")
@@ -150,6 +177,8 @@ def cmd_generate(args) -> int:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
+
+    resolve_auto(args)
 
     async def run() -> None:
         async with Pair(args) as orch:

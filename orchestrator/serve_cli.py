@@ -40,7 +40,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from orchestrator.api import ServeDefaults, create_app
-    from orchestrator.cli import Pair
+    from orchestrator.cli import Pair, resolve_auto
 
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise SystemExit("error: --ssl-certfile and --ssl-keyfile must be given together")
@@ -48,6 +48,7 @@ def cmd_serve(args) -> int:
         if path and not os.path.isfile(path):
             raise SystemExit(f"error: {flag}: no such file: {path}")
     scheme = "https" if args.ssl_certfile else "http"
+    resolve_auto(args)
     try:
         defaults = ServeDefaults(max_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_p=args.top_p, top_k=args.top_k, mode=args.mode, k=args.k,

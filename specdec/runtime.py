@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import logging
+import statistics
 import time
 
 import torch
@@ -35,22 +37,27 @@ class ModelInfo:
     drafter: str = "model"
 
 
-def calibrate(engine: LlamaEngine, max_tokens: int = 9, context: int = 64, reps: int = 3) -> list[float]:
-    """Median ms of one forward over m new tokens (m = 1..max_tokens) after ``context`` tokens."""
+def calibrate(engine: LlamaEngine, max_tokens: int = 9, context: int = 128, reps: int = 5) -> list[float]:
+    """Median ms of one forward over m new tokens (m = 1..max_tokens) after ``context`` tokens.
+
+    One warm-up pass over every m (oneDNN builds its primitives per shape), then ``reps``
+    interleaved passes, so a slow moment of a busy machine hits every m alike. A forward over
+    more tokens never costs less, so the medians are made non-decreasing in m.
+    """
     cache = engine.new_cache()
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, engine.vocab_in, (context + max_tokens,), generator=gen)
     engine.forward([cache], [tokens[:context]], [1])
-    out = []
-    for m in range(1, max_tokens + 1):
-        times = []
-        for _ in range(reps):
+    times: list[list[float]] = [[] for _ in range(max_tokens)]
+    for rep in range(reps + 1):
+        for m in range(1, max_tokens + 1):
             cache.truncate(context)
             t0 = time.perf_counter()
             engine.forward([cache], [tokens[context : context + m]], [m])
-            times.append((time.perf_counter() - t0) * 1000.0)
-        out.append(sorted(times)[len(times) // 2])
-    return out
+            if rep:  # rep 0 is the warm-up
+                times[m - 1].append((time.perf_counter() - t0) * 1000.0)
+    medians = [statistics.median(t) for t in times]
+    return list(itertools.accumulate(medians, max))
 
 
 class _Runtime:
