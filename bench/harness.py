@@ -96,15 +96,20 @@ class SpecdecSystems:
     def __init__(self, target: str, draft: str, threads: int, systems: list[str]):
         from orchestrator.local import ServiceProcess, service_args
 
-        self.processes = {"target": ServiceProcess("target", service_args(target, threads))}
+        wanted = {"target": ("target", service_args(target, threads))}
         if any(s in systems for s in ("specdec-spec", "specdec-pipelined")):
-            self.processes["draft"] = ServiceProcess(
-                "draft", service_args(draft, threads, ["--target", target]))
+            wanted["draft"] = ("draft", service_args(draft, threads, ["--target", target]))
         if "specdec-ngram" in systems:
-            self.processes["ngram"] = ServiceProcess(
-                "draft", service_args("ngram", threads, ["--target", target]))
-        for p in self.processes.values():
-            p.wait_port()
+            wanted["ngram"] = ("draft", service_args("ngram", threads, ["--target", target]))
+        self.processes = {}
+        try:
+            for name, (role, args) in wanted.items():  # one at a time: see LocalServices
+                self.processes[name] = ServiceProcess(role, args)
+                self.processes[name].wait_port()
+        except BaseException:
+            for p in self.processes.values():
+                p.stop()
+            raise
         self.target_spec = target
         self.orchestrators: dict[str, object] = {}
         self.loop = asyncio.new_event_loop()
