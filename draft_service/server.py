@@ -47,7 +47,6 @@ class DraftServicer(rpc.CommonServicerMixin, pb_grpc.DraftServiceServicer):
             yield await self._propose(request, context)
 
 
-
 def make_host(config: ServiceConfig, target: str = "default", q_top_k: int = 64) -> rpc.ServiceHost:
     build = functools.partial(build_draft, target=target, q_top_k=q_top_k)
     host = rpc.ServiceHost(config, build, SERVICE_NAME)

@@ -22,8 +22,7 @@ def shares_compute(args) -> bool:
     pipelined rounds with one core each (README, Results). Pipelining pays when the draft has
     its own hardware: services at --draft-addr / --target-addr, or a Ray/Kubernetes deployment.
     """
-    needs_draft = getattr(args, "draft", None) is not None
-    return args.target_addr is None and (args.draft_addr is None or not needs_draft)
+    return args.target_addr is None and args.draft_addr is None
 
 
 def resolve_auto(args) -> None:

@@ -134,11 +134,14 @@ def soft_target_loss(logits: torch.Tensor, rows, tgt_ids, tgt_lp) -> tuple[torch
 # -- model ------------------------------------------------------------------------------------
 
 
-def init_from_target(recipe: Recipe, vocab_map: torch.Tensor) -> tuple[DraftModule, ArchConfig]:
+def init_from_target(recipe: Recipe, vocab_map: torch.Tensor,
+                     model=None) -> tuple[DraftModule, ArchConfig]:
+    """A draft module initialised from the target (``model``, or loaded from recipe.target)."""
     from specdec.engine import canonical_weights
     from specdec.models import load_hf_model
 
-    model, _ = load_hf_model(recipe.target)
+    if model is None:
+        model, _ = load_hf_model(recipe.target)
     arch_t = ArchConfig.from_hf(model.config)
     weights = canonical_weights(model.state_dict(), arch_t)
     arch = dataclasses.replace(arch_t, num_layers=len(recipe.layers))
@@ -148,7 +151,6 @@ def init_from_target(recipe: Recipe, vocab_map: torch.Tensor) -> tuple[DraftModu
             init[f"layers.{i}.{name}"] = weights[f"layers.{src}.{name}"]
     module = DraftModule(arch, weights["embed"].clone(), vocab_map)
     module.load_canonical(init)
-    del model
     return module, arch
 
 

@@ -187,9 +187,6 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
     t_loaded = time.time()
     records = generate(model, data["prompts"], temperatures, data["eos"], data["pad"], max_new,
                        batch, 32, gen_seconds, recipe.seed, device)
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     t_data = time.time()
     n_tokens = sum(len(r["answer"]) for r in records)
     print(f"data: {len(records)} answers, {n_tokens} target tokens in {t_data - t_loaded:.0f} s "
@@ -200,8 +197,11 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
     vocab_map = distill.build_vocab(records, recipe.vocab, sorted(data["eos"]))
     examples = distill.Examples(records, vocab_map, vocab_size, recipe.max_len)
     held_ex = distill.Examples(held, vocab_map, vocab_size, recipe.max_len)
-    module, arch = distill.init_from_target(recipe, vocab_map)
+    module, arch = distill.init_from_target(recipe, vocab_map, model)  # no second load
     module.to(device)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     per_step = _seconds_per_step(module, examples, recipe)
     epoch_steps = max(1, len(examples) // recipe.batch)
     steps = int(min(train_seconds / per_step, max_epochs * epoch_steps))

@@ -1,10 +1,11 @@
 """specdec's own draft models: the file format, loading, and the trainable module.
 
 A draft directory holds ``draft.json`` (architecture, target, recipe card) and
-``weights.safetensors`` (matrices as per-row int8 with fp16 scales, vectors fp16). Drafts made by ``specdec distill`` read their input embedding
-from the target's weights (``embed_from_target``), so the file stores only what is not the
-target's: a few transformer layers, a norm, and a head over a *reduced vocabulary* (the target's
-most frequent output tokens, ``vocab_map``). The draft's q is zero outside that vocabulary,
+``weights.safetensors`` (matrices as per-row int8 with fp16 scales, vectors fp16). Drafts made
+by ``specdec distill`` read their input embedding from the target's weights
+(``embed_from_target``), so the file stores only what is not the target's: a few transformer
+layers, a norm, and a head over a *reduced vocabulary* (the target's most frequent output
+tokens, ``vocab_map``). The draft's q is zero outside that vocabulary,
 which keeps speculative sampling exact: q is what the draft samples from.
 """
 

@@ -47,7 +47,6 @@ class TargetServicer(rpc.CommonServicerMixin, pb_grpc.TargetServiceServicer):
             yield await self._verify(request, context)
 
 
-
 def make_host(config: ServiceConfig) -> rpc.ServiceHost:
     host = rpc.ServiceHost(config, build_target, SERVICE_NAME)
     pb_grpc.add_TargetServiceServicer_to_server(TargetServicer(host), host.server)
