@@ -76,7 +76,9 @@ class ServiceConfig:
     session_ttl_s: float = 600.0  # idle sessions expire after this long
     max_message_bytes: int = 8 * 1024 * 1024
     max_batch: int = 16  # sessions merged into one forward pass
-    batch_wait_ms: float = 2.0  # added latency allowed to gather a batch
+    # Wait this long, starting from idle, for other calls to join the first pass. 0: continuous
+    # batching already lets later calls join the next pass, and a lone call pays nothing.
+    batch_wait_ms: float = 0.0
     prefill_chunk: int = 256  # prompt tokens per forward pass, so prefill cannot starve rounds
     fast_linear: bool = True  # oneDNN prepacked weights on CPU
     calibrate: bool = True  # measure forward costs at start (reported in GetInfo)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pathlib
+import threading
 from typing import Callable
 
 import grpc
@@ -201,6 +202,35 @@ async def run_call(context: grpc.aio.ServicerContext, future, work):
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
+async def in_passing_thread(fn: Callable, *args):
+    """``await fn(*args)`` run in a new thread that ends when fn returns.
+
+    Loading a model runs torch's parallel (OpenMP) kernels. libgomp keeps a pool of helper
+    threads for every thread that ever ran a parallel region, and once the process holds more
+    of them than there are cores it makes every pool's helpers sleep between regions instead of
+    spinning: each parallel op then pays futex wake-ups, and a 1-token forward on the model
+    thread went from 30 ms to 45 ms. A pool lives as long as its thread, so the loader must not
+    be a long-lived executor thread: the model thread must be the only lasting torch thread.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(result=None, exc: BaseException | None = None) -> None:
+        if not done.done():
+            done.set_exception(exc) if exc is not None else done.set_result(result)
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result)
+
+    threading.Thread(target=run, name="specdec-load", daemon=True).start()
+    return await done
+
+
 class ServiceHost:
     """Runs one model service: binds first, loads the model in the background, then SERVING.
 
@@ -233,8 +263,7 @@ class ServiceHost:
         log.info("%s listening on %s:%d, loading %s", self.config.role, self.config.host,
                  self.port, self.config.model)
         try:
-            self.runtime = await asyncio.get_running_loop().run_in_executor(
-                None, self.build_runtime, self.config)
+            self.runtime = await in_passing_thread(self.build_runtime, self.config)
         except BaseException as exc:
             self._load_error = exc
             log.exception("loading %s failed", self.config.model)
@@ -314,7 +343,9 @@ def add_service_arguments(parser, default_model: str) -> None:
     parser.add_argument("--session-ttl-s", type=float, default=600.0)
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--batch-wait-ms", type=float, default=2.0)
+    parser.add_argument("--batch-wait-ms", type=float, default=0.0,
+                        help="starting from idle, wait this long for other calls to join the "
+                             "first pass (default 0: later calls join the next pass anyway)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--no-fast-linear", action="store_true",
                         help="use F.linear instead of oneDNN prepacked weights on CPU")

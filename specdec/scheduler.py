@@ -83,7 +83,7 @@ class BatchScheduler:
         self,
         engine: LlamaEngine,
         max_batch: int = 16,
-        batch_wait_ms: float = 2.0,
+        batch_wait_ms: float = 0.0,
         token_budget: int = 256,
         after_pass: Callable[[list[str]], None] | None = None,
         name: str = "scheduler",
