@@ -39,7 +39,8 @@ def register(sub) -> None:
     v.add_argument("--max-tokens", type=int, default=9)
     v.add_argument("--context", type=int, default=150)
     v.add_argument("--reps", type=int, default=15)
-    v.add_argument("--threads", type=int, default=1)
+    v.add_argument("--threads", type=int, default=0, help="torch threads (0 = every core, as "
+                   "the services use)")
     v.add_argument("--out", default="bench/out")
     v.set_defaults(func=cmd_bench_verify)
 
@@ -157,44 +158,90 @@ def _run_one(system, hf, spd, ids, max_new, k, hf_systems):
 
 
 def cmd_bench_verify(args) -> int:
-    """Median forward cost over m new tokens (m = 1..N), stock F.linear vs prepacked oneDNN."""
+    """Median forward cost over m new tokens (m = 1..N): the engine alone with each CPU kernel
+    choice, and a verify call inside a running target service (its reported compute)."""
     import torch
 
     from bench import report
     from specdec.loading import load_engine
 
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     engines = {}
-    for name, fast in (("stock", False), ("prepacked", True)):
-        engines[name], _, _ = load_engine(args.target, torch.device("cpu"), fast)
-    ctx = args.context
+    for name in ("mkl", "onednn", "auto"):
+        engines[name], _, _ = load_engine(args.target, torch.device("cpu"), name)
+    ctx, ms = args.context, range(1, args.max_tokens + 1)
     prompt = torch.arange(ctx) % 1000 + 10
     caches = {n: e.new_cache() for n, e in engines.items()}
     for n, e in engines.items():
         e.forward([caches[n]], [prompt], [1])
-    times = {n: {m: [] for m in range(1, args.max_tokens + 1)} for n in engines}
-    for _ in tqdm(range(args.reps), desc="verify cost", unit="rep"):
-        for m in range(1, args.max_tokens + 1):
+    times = {n: {m: [] for m in ms} for n in [*engines, "in-service"]}
+    for _ in tqdm(range(args.reps), desc="engine cost", unit="rep"):
+        for m in ms:
             for n, e in engines.items():  # interleaved
                 caches[n].truncate(ctx)
                 t0 = time.perf_counter()
                 e.forward([caches[n]], [torch.arange(m) + 100], [m])
                 times[n][m].append((time.perf_counter() - t0) * 1000)
+    del engines, caches
+    for m, values in _in_service_verify_ms(args.target, args.threads, prompt.tolist(), ms,
+                                           args.reps).items():
+        times["in-service"][m] = values
     med = {n: {m: sorted(v)[len(v) // 2] for m, v in d.items()} for n, d in times.items()}
-    print(f"median ms per forward (context {ctx}, {args.threads} thread(s), {args.reps} reps)")
-    print("| m | " + " | ".join(engines) + " | " + " | ".join(f"{n} T(m)/T(1)" for n in engines) + " |")
-    print("|---" * (1 + 2 * len(engines)) + "|")
-    for m in range(1, args.max_tokens + 1):
-        print(f"| {m} | " + " | ".join(f"{med[n][m]:.1f}" for n in engines) + " | "
-              + " | ".join(f"{med[n][m] / med[n][1]:.2f}" for n in engines) + " |")
+    names = list(med)
+    print(f"median ms per forward (context {ctx}, {args.threads or torch.get_num_threads()} "
+          f"thread(s), {args.reps} reps; in-service = a target service's compute_ms for a "
+          f"verify of m - 1 draft tokens)")
+    print("| m | " + " | ".join(names) + " | " + " | ".join(f"{n} T(m)/T(1)" for n in names) + " |")
+    print("|---" * (1 + 2 * len(names)) + "|")
+    for m in ms:
+        print(f"| {m} | " + " | ".join(f"{med[n][m]:.1f}" for n in names) + " | "
+              + " | ".join(f"{med[n][m] / med[n][1]:.2f}" for n in names) + " |")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify_cost.json").write_text(json.dumps({"median_ms": med, "context": ctx,
                                                       "threads": args.threads}, indent=1))
     path = report.plot_verify_cost(med, out)
     print(f"wrote {path}")
-    t5 = med["prepacked"].get(5)
-    if t5:
-        print(f"prepacked T(5)/T(1) = {t5 / med['prepacked'][1]:.2f} "
-              f"(stock {med['stock'][5] / med['stock'][1]:.2f})")
+    ratio = med["in-service"][1] / med["auto"][1]
+    print(f"in-service / engine-alone T(1) = {ratio:.2f}"
+          + ("" if ratio < 1.15 else "  <- the service's model thread runs slower than the "
+             "engine alone: see specdec.rpc.in_passing_thread"))
+    if len(ms) >= 5:
+        print(f"auto T(5)/T(1) = {med['auto'][5] / med['auto'][1]:.2f} "
+              f"(mkl {med['mkl'][5] / med['mkl'][1]:.2f}, onednn "
+              f"{med['onednn'][5] / med['onednn'][1]:.2f})")
     return 0
+
+
+def _in_service_verify_ms(target: str, threads: int, prompt: list[int], ms, reps: int) -> dict:
+    """compute_ms of verify calls over m tokens (m - 1 drafts) in a local target service."""
+    import asyncio
+
+    from orchestrator.clients import History, TargetClient
+    from orchestrator.local import ServiceProcess, service_args
+    from specdec.config import SamplingParams
+
+    async def measure(address: str) -> dict:
+        client = TargetClient(address)
+        await client.wait_ready()
+        history, greedy = History(prompt), SamplingParams()
+        out = {m: [] for m in ms}
+        try:
+            for rep in tqdm(range(reps + 1), desc="in-service cost", unit="rep"):
+                for m in ms:
+                    resp, _ = await client.verify("bench-verify", history, [100] * (m - 1), [],
+                                                  greedy)
+                    if rep:  # rep 0 warms up
+                        out[m].append(resp.compute_ms)
+        finally:
+            await client.close_session("bench-verify")
+            await client.close()
+        return out
+
+    service = ServiceProcess("target", service_args(target, threads, ["--no-calibrate"]))
+    try:
+        service.wait_port()
+        return asyncio.run(measure(service.address))
+    finally:
+        service.stop()

@@ -80,7 +80,7 @@ class ServiceConfig:
     # batching already lets later calls join the next pass, and a lone call pays nothing.
     batch_wait_ms: float = 0.0
     prefill_chunk: int = 256  # prompt tokens per forward pass, so prefill cannot starve rounds
-    fast_linear: bool = True  # oneDNN prepacked weights on CPU
+    kernels: str = "auto"  # CPU linear kernels: auto (fastest per shape), onednn, mkl
     calibrate: bool = True  # measure forward costs at start (reported in GetInfo)
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -103,6 +103,8 @@ class ServiceConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.kernels not in ("auto", "onednn", "mkl"):
+            raise ValueError(f"kernels must be auto, onednn or mkl, got {self.kernels!r}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.prefill_chunk < 1:

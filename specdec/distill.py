@@ -309,8 +309,8 @@ def evaluate(draft_dir: str, held_out: list[dict], threads: int = 1) -> dict:
 
     torch.set_num_threads(threads)
     meta = draft_model.read_meta(draft_dir)
-    d_engine, _, _ = load_engine(draft_dir, torch.device("cpu"), True)
-    t_engine, _, _ = load_engine(meta["target"], torch.device("cpu"), True)
+    d_engine, _, _ = load_engine(draft_dir, torch.device("cpu"))
+    t_engine, _, _ = load_engine(meta["target"], torch.device("cpu"))
     agree_rows = []
     for r in held_out:
         prompt, answer = r["prompt"].long(), r["answer"].long()

@@ -50,7 +50,7 @@ def _engine_and_tokenizer(target: str):
 
     from specdec.loading import load_engine
 
-    engine, tokenizer, config = load_engine(target, torch.device("cpu"), True)
+    engine, tokenizer, config = load_engine(target, torch.device("cpu"))
     from specdec.tokenizer import eos_token_ids
 
     return engine, tokenizer, set(eos_token_ids(tokenizer, config))

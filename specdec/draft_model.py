@@ -88,7 +88,7 @@ def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, weights
 
 
-def load_engine(path, device, fast_linear: bool):
+def load_engine(path, device, kernels: str = "auto"):
     """(engine, tokenizer, None) for a draft directory."""
     from specdec.models import load_tokenizer
 
@@ -96,7 +96,7 @@ def load_engine(path, device, fast_linear: bool):
     arch = ArchConfig(**meta["arch"])
     vocab_map = weights.pop("vocab_map").long()
     weights = {k: v.float() for k, v in weights.items()}
-    engine = LlamaEngine(arch, weights, device, fast_linear, vocab_map=vocab_map)
+    engine = LlamaEngine(arch, weights, device, kernels, vocab_map=vocab_map)
     return engine, load_tokenizer(meta["target"]), None
 
 

@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels import Linear, prepack_available
+from specdec.kernels import KERNEL_CHOICES, KernelPlan, Linear, choose_kernels, prepack_available, timed
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -127,14 +127,22 @@ class LlamaEngine:
         arch: ArchConfig,
         weights: dict[str, torch.Tensor],
         device: torch.device | str = "cpu",
-        fast_linear: bool = True,
+        kernels: str = "auto",
         vocab_map: torch.Tensor | None = None,
     ):
+        if kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.float16
-        prepack = fast_linear and prepack_available(self.device)
-        self.prepacked = prepack
+        # CPU linear kernels (specdec.kernels): "auto" times both at start and keeps the faster
+        # per shape; "mkl" is F.linear; "onednn" prepacked weights. GPUs use F.linear.
+        plan = None
+        if kernels != "mkl" and prepack_available(self.device):
+            plan = KernelPlan()
+        elif kernels == "onednn":
+            raise ValueError("kernels='onednn' needs a CPU build of torch with oneDNN")
+        self.kernels = plan
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device, self.dtype)
@@ -149,15 +157,15 @@ class LlamaEngine:
             self.layers.append(
                 dict(
                     attn_norm=w(p + "attn_norm"),
-                    qkv=Linear(w(p + "wqkv"), opt(p + "bqkv"), prepack),
-                    o=Linear(w(p + "wo"), None, prepack),
+                    qkv=Linear(w(p + "wqkv"), opt(p + "bqkv"), plan),
+                    o=Linear(w(p + "wo"), None, plan),
                     mlp_norm=w(p + "mlp_norm"),
-                    gate_up=Linear(w(p + "w_gate_up"), None, prepack),
-                    down=Linear(w(p + "w_down"), None, prepack),
+                    gate_up=Linear(w(p + "w_gate_up"), None, plan),
+                    down=Linear(w(p + "w_down"), None, plan),
                 )
             )
         self.norm = w("norm")
-        self.head = Linear(w("head"), None, prepack)
+        self.head = Linear(w("head"), None, plan)
         self.vocab_in = self.embed.shape[0]
         self.vocab_out = self.head.out_features
         self.vocab_map = None if vocab_map is None else vocab_map.to(torch.long)
@@ -169,22 +177,34 @@ class LlamaEngine:
         )
         assert self.inv_freq.shape[0] == half
         self.inv_freq = self.inv_freq.to(self.device)
+        if plan is not None:
+            if kernels == "auto":
+                choose_kernels(plan, self._linears(), self._forward_ms)
+            else:
+                for lin in self._linears():
+                    lin.keep_only(plan.used())
+
+    def _linears(self) -> list[Linear]:
+        return [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down")] + [
+            self.head]
+
+    def _forward_ms(self, rows: int, context: int = 128) -> float:
+        """Milliseconds of one forward over ``rows`` new tokens after ``context`` tokens."""
+        cache = self.new_cache()
+        tokens = torch.arange(context + rows, device=self.device) % self.vocab_in
+        self.forward([cache], [tokens[:context]], [1])
+        return timed(lambda: self.forward([cache], [tokens[context:]], [rows]))
 
     # -- construction -----------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, model, device="cpu", fast_linear: bool = True) -> "LlamaEngine":
+    def from_hf(cls, model, device="cpu", kernels: str = "auto") -> "LlamaEngine":
         """From a transformers Llama-family causal LM (weights are copied)."""
         arch = ArchConfig.from_hf(model.config)
-        return cls(arch, canonical_weights(model.state_dict(), arch), device, fast_linear)
+        return cls(arch, canonical_weights(model.state_dict(), arch), device, kernels)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.arch, self.device, self.dtype)
-
-    @property
-    def cache_bytes_per_token(self) -> int:
-        a = self.arch
-        return 2 * a.num_layers * a.num_kv_heads * a.head_dim * torch.finfo(self.dtype).bits // 8
 
     # -- forward ----------------------------------------------------------------------------
 

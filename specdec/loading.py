@@ -23,22 +23,22 @@ def _set_threads(config: ServiceConfig) -> None:
         torch.set_num_threads(config.threads)
 
 
-def load_engine(spec: str, device: torch.device, fast_linear: bool):
+def load_engine(spec: str, device: torch.device, kernels: str = "auto"):
     """(engine, tokenizer, hf_config) for a Hugging Face / GGUF / default model spec."""
     from specdec import draft_model
 
     if draft_model.is_draft_dir(spec):
-        return draft_model.load_engine(spec, device, fast_linear)
+        return draft_model.load_engine(spec, device, kernels)
     model, tokenizer = load_hf_model(spec)
     arch = ArchConfig.from_hf(model.config)
-    engine = LlamaEngine(arch, canonical_weights(model.state_dict(), arch), device, fast_linear)
+    engine = LlamaEngine(arch, canonical_weights(model.state_dict(), arch), device, kernels)
     return engine, tokenizer, model.config
 
 
 def build_target(config: ServiceConfig) -> TargetRuntime:
     _set_threads(config)
     device = pick_device(config.device)
-    engine, tokenizer, hf_config = load_engine(config.model, device, config.fast_linear)
+    engine, tokenizer, hf_config = load_engine(config.model, device, config.kernels)
     return TargetRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine)
 
 
@@ -88,7 +88,7 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
         )
         return DraftRuntime(config, info, None)
     device = pick_device(config.device)
-    engine, tokenizer, hf_config = load_engine(spec, device, config.fast_linear)
+    engine, tokenizer, hf_config = load_engine(spec, device, config.kernels)
     return DraftRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine,
                         q_top_k=q_top_k)
 

@@ -347,8 +347,9 @@ def add_service_arguments(parser, default_model: str) -> None:
                         help="starting from idle, wait this long for other calls to join the "
                              "first pass (default 0: later calls join the next pass anyway)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
-    parser.add_argument("--no-fast-linear", action="store_true",
-                        help="use F.linear instead of oneDNN prepacked weights on CPU")
+    parser.add_argument("--kernels", choices=("auto", "onednn", "mkl"), default="auto",
+                        help="CPU linear kernels: auto times oneMKL and prepacked oneDNN at start "
+                             "and keeps the faster for 1 token and for blocks (default)")
     parser.add_argument("--no-calibrate", action="store_true")
     parser.add_argument("--tls-cert")
     parser.add_argument("--tls-key")
@@ -365,7 +366,7 @@ def service_config_from_args(args, role: str):
             threads=args.threads, cache_cap_mb=args.cache_cap_mb, max_sessions=args.max_sessions,
             session_ttl_s=args.session_ttl_s, max_message_bytes=args.max_message_bytes,
             max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
-            prefill_chunk=args.prefill_chunk, fast_linear=not args.no_fast_linear,
+            prefill_chunk=args.prefill_chunk, kernels=args.kernels,
             calibrate=not args.no_calibrate, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
         )

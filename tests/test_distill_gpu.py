@@ -63,7 +63,7 @@ def test_prepare_run_finish_builds_an_evaluated_draft(tmp_path, tiny_models):
 
     from specdec.loading import load_engine
 
-    engine, _, _ = load_engine(str(work / "draft"), torch.device("cpu"), True)
+    engine, _, _ = load_engine(str(work / "draft"), torch.device("cpu"))
     cache = engine.new_cache()
     logits = engine.forward([cache], [torch.tensor([1, 2, 3])], [1])[0]
     assert logits.shape[-1] == meta["vocab_out"] and torch.isfinite(logits).all()

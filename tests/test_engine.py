@@ -10,7 +10,7 @@ from specdec.models import load_hf_model
 @pytest.fixture(scope="module")
 def tiny(tiny_models):
     model, tok = load_hf_model(tiny_models["target"])
-    return model, LlamaEngine.from_hf(model, fast_linear=True), LlamaEngine.from_hf(model, fast_linear=False)
+    return model, LlamaEngine.from_hf(model, kernels="onednn"), LlamaEngine.from_hf(model, kernels="mkl")
 
 
 def hf_logits(model, ids):
