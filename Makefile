@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/specdec generate "Explain in a few sentences why the sky is blue." --max-new-tokens 128
+	$(VENV)/bin/specdec generate "Explain in a few sentences why the sky is blue." --max-new-tokens 128 --compare
 
 test: $(STAMP)
 	$(PY) -m pytest -q

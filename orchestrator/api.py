@@ -209,18 +209,28 @@ def _service_error(exc: ServiceError) -> APIError:
 
 # ---- the app ------------------------------------------------------------------------------
 
+def api_key_matches(authorization: bytes | str | None, api_key: str) -> bool:
+    """Whether an Authorization header value is ``Bearer <api_key>``: the scheme matched
+    case-insensitively (RFC 9110 section 11.1), the key in constant time."""
+    if isinstance(authorization, str):
+        authorization = authorization.encode("utf-8", "replace")
+    scheme, _, token = (authorization or b"").strip().partition(b" ")
+    return hmac.compare_digest(scheme.lower() + b" " + token.strip(),
+                               b"bearer " + api_key.encode())
+
+
 class _BearerAuth:
     """Every path but /health needs ``Authorization: Bearer KEY`` (plain ASGI middleware, so
     streaming and disconnect detection pass through untouched)."""
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.api_key = api_key
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] != "/health":
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not api_key_matches(given, self.api_key):
                 err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer "
                                     "KEY'", code="invalid_api_key")
                 resp = JSONResponse(err.body(), status_code=401,

@@ -204,12 +204,46 @@ def cmd_generate(args) -> int:
                     f"k mean {s['k_mean']:.2f} | overlap {s['overlap_efficiency']:.2f}",
                     file=sys.stderr, flush=True,
                 )
+                if args.compare:
+                    await compare_with_target_alone(orch, req, result, args)
 
     try:
         asyncio.run(run())
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
     return 0
+
+
+async def compare_with_target_alone(orch, req, result, args) -> None:
+    """Run the same request on the target alone, through specdec's target-only path and (greedy)
+    through plain transformers ``generate``, and print the speeds side by side."""
+    import dataclasses
+
+    from bench.harness import HFSystems
+
+    alone = await orch.generate(dataclasses.replace(req, mode="target-only", k=None))
+    rows = [(f"speculative ({result.stats.mode})", result.token_ids, result.stats.wall_s),
+            ("target alone (specdec target-only)", alone.token_ids, alone.stats.wall_s)]
+    if req.sampling.greedy:
+        hf = HFSystems(args.tokenizer or args.target, None, 0)
+        tokens, wall = hf.run("hf", req.prompt_ids, req.max_new_tokens)
+        rows.append(("target alone (transformers generate)", tokens, wall))
+    width = max(len(name) for name, _, _ in rows)
+    print("\nthe same prompt on the target alone:", file=sys.stderr)
+    for name, tokens, wall in rows:
+        print(f"  {name:<{width}}  {len(tokens):4d} tokens  {len(tokens) / wall:6.1f} tok/s",
+              file=sys.stderr)
+    speed = [len(t) / w for _, t, w in rows]
+    line = f"speedup {speed[0] / speed[1]:.2f}x over the target alone through specdec"
+    if len(rows) > 2:
+        line += f", {speed[0] / speed[2]:.2f}x over transformers generate"
+    if req.sampling.greedy:
+        same = all(tokens == result.token_ids for _, tokens, _ in rows)
+        line += ("; generated tokens identical in every run" if same else
+                 "; WARNING: the texts differ (see the README's exactness notes)")
+    else:
+        line += "; sampled texts differ between modes (the same distribution, not the same draw)"
+    print(line, file=sys.stderr, flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apply the chat template (default for chat models)")
     g.add_argument("--no-chat", dest="chat", action="store_false")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    g.add_argument("--compare", action="store_true",
+                   help="also run each prompt on the target alone (specdec target-only, and "
+                        "transformers generate when greedy) and print the speedup")
     add_generation_arguments(g)
     add_pair_arguments(g)
     g.set_defaults(func=cmd_generate)

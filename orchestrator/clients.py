@@ -48,6 +48,11 @@ class ServiceError(Exception):
     def retriable(self) -> bool:
         return self.code in RETRIABLE
 
+    @property
+    def request_fault(self) -> bool:
+        """The call itself was wrong (its arguments): the service is fine for other calls."""
+        return self.code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE)
+
 
 def _tls_failure(details: str) -> bool:
     """Whether a connection failed in the TLS handshake (a wrong CA, certificate or name)."""
@@ -213,6 +218,10 @@ class DraftClient(ServiceClient):
                         self.address)
         self.down = True
         self.backoff.failed()
+
+    async def close_session(self, session_id: str) -> None:
+        self._tickets.pop(session_id, None)
+        await super().close_session(session_id)
 
     async def available(self) -> bool:
         """Whether to use the draft now: up, or down but answering its health check again."""

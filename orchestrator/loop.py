@@ -246,7 +246,8 @@ class Orchestrator:
                 k_next = 0
                 if (req.mode == "pipelined" and (block.tokens or first_pipelined)
                         and self.draft is not None and remaining - len(block.tokens) - 1 > 0):
-                    k_next = min(k_ctl.next_k(after_full_accept=True), MAX_K,
+                    # The draft also drafts its guess of the target's token: k_next + 1 <= MAX_K.
+                    k_next = min(k_ctl.next_k(after_full_accept=True), MAX_K - 1,
                                  remaining - len(block.tokens) - 2)
                 if k_next > 0:
                     spec_task = asyncio.create_task(
@@ -337,7 +338,8 @@ class Orchestrator:
             raise
         except ServiceError as exc:
             stats.draft_failures += 1
-            self.draft.mark_failed()
+            if not exc.request_fault:  # the service failed, not this request's own call:
+                self.draft.mark_failed()  # every generation goes without it for a while
             log.warning("request %s: draft failed (%s); continuing without it", req.request_id, exc)
             return None
         stats.calls.append(rec)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import os
 import threading
@@ -448,13 +447,13 @@ class GenerateBody(pydantic.BaseModel):
 
 def native_routes(router, api_key: str | None) -> fastapi.APIRouter:
     """POST /generate (summary JSON with token ids, and the pair that ran it), GET /pairs."""
+    from orchestrator.api import api_key_matches
     from orchestrator.cli import encode_prompt
     from orchestrator.loop import GenerationRequest
     from specdec.config import SamplingParams
 
     def authorize(authorization: str | None = fastapi.Header(default=None)) -> None:
-        expected = f"Bearer {api_key}".encode()
-        if api_key and not hmac.compare_digest((authorization or "").encode(), expected):
+        if api_key and not api_key_matches(authorization, api_key):
             raise fastapi.HTTPException(401, "missing or wrong API key")
 
     routes = fastapi.APIRouter(dependencies=[fastapi.Depends(authorize)])

@@ -86,7 +86,8 @@ class _Runtime:
         return self.store.close(session_id)
 
     def stats(self) -> dict:
-        self.store.enforce_limits()
+        """Counters only: limits are enforced by the model thread between passes (from here, a
+        stats scrape could evict a session a pass is computing)."""
         return dict(
             sessions=len(self.store),
             cache_bytes=self.store.nbytes,
