@@ -15,6 +15,20 @@ import time
 log = logging.getLogger(__name__)
 
 
+# Services that share this machine's cores take turns on them. After each parallel region
+# libgomp's helper threads spin GOMP_SPINCOUNT times (300,000 by default) before they sleep,
+# so the service that just answered kept a core busy well into the other's turn: measured on a
+# 2-core CPU, verify passes took ~39 ms instead of ~33 ms in sequential rounds. 100,000 keeps
+# each service's own passes at full speed (its helpers still spin between the ops of a pass;
+# 0 made a target-only step 40 ms) and gave 15-25% more speculative tok/s.
+SHARED_CORES_ENV = {"GOMP_SPINCOUNT": "100000"}
+
+
+def shared_cores_env() -> dict:
+    """Environment for services sharing this machine's cores (a user's own setting wins)."""
+    return {k: v for k, v in SHARED_CORES_ENV.items() if k not in os.environ}
+
+
 class ServiceProcess:
     """One service in a child process; stopped by its process id (never by name)."""
 
@@ -29,7 +43,8 @@ class ServiceProcess:
                *args]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            cmd, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, **shared_cores_env(), **(env or {})},
             start_new_session=True,
         )
         self.port: int | None = None

@@ -147,6 +147,11 @@ class GenerationResult:
             wall_s=round(s.wall_s, 4),
             ttft_s=round(s.ttft_s, 4),
             overlap_efficiency=round(split["overlap_efficiency"], 4),
+            # Wall time per round beyond the services' compute (RPCs, the orchestrator's own
+            # work, idle waits); in pipelined rounds overlapped compute counts once.
+            overhead_ms_per_round=round(max(0.0, s.wall_s - _union_length(
+                [(c.end - c.compute_ms / 1000.0, c.end) for c in s.calls])) / s.rounds * 1000.0,
+                3) if s.rounds else 0.0,
             time_split={k: round(v, 4) for k, v in split.items() if k != "overlap_efficiency"},
             pipeline_hits=s.pipeline_hits,
             pipeline_misses=s.pipeline_misses,
