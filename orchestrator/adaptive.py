@@ -7,11 +7,17 @@ whole block accepted and the draft's guess of the target's token right, about a^
 is plain target decoding, chosen whenever speculation does not pay, so specdec is never much
 slower than the target alone.
 
-Costs come from the services' start-up calibration (GetInfo.forward_ms), not from live timings,
-so k depends only on the acceptance history: with a seed, the same request gives the same text.
+Costs (``Costs``) start from the services' start-up calibration (GetInfo.forward_ms) and, for
+greedy requests, follow what the services' calls actually cost (``LiveCosts``: decayed averages
+of each call's compute and of its time beyond compute), so services started together, slowed
+by neighbours or batching other sessions are costed as they are. Greedy text does not depend
+on k. Sampled requests keep the calibrated costs, so k depends only on the acceptance history
+and a seeded request gives the same text every time.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 K_MAX = 8
 PROBE_EVERY = 16  # rounds at k = 0 between probes of the acceptance
@@ -24,22 +30,91 @@ def expected_tokens(a: float, k: int) -> float:
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+@dataclasses.dataclass
+class Costs:
+    """What a round costs, in ms: a verify pass, a draft step, and each call's time beyond the
+    services' compute (RPC, scheduling).
+
+    A verify pass of a block of k shares the target's forward with the other sessions in its
+    batch (``target_batch`` of them, each with about k + 1 tokens), so it costs the calibrated
+    T(m) at m = target_batch * (k + 1) tokens (``target_ms[m - 1]``, extended past its end at
+    its mean slope), times ``target_scale`` (what the calls show against the calibration).
+    Under load a longer block therefore costs more, and k shrinks, down to 0.
+    """
+
+    target_ms: list[float]
+    draft_step_ms: float = 0.0
+    target_scale: float = 1.0
+    target_call_ms: float = 1.0
+    draft_call_ms: float = 1.0
+    target_batch: float = 1.0
+
+    @classmethod
+    def calibrated(cls, target_ms: list[float], draft_ms: list[float]) -> "Costs":
+        return cls(list(target_ms) or [1.0] * (K_MAX + 1), draft_ms[0] if draft_ms else 0.0)
+
+    def forward_ms(self, tokens: float) -> float:
+        """Calibrated T(m) of one target forward over ``tokens`` new tokens."""
+        t, n = self.target_ms, len(self.target_ms)
+        if tokens <= n:
+            return t[max(int(round(tokens)), 1) - 1]
+        # Past the curve, at the slope of its upper half (a small pass is all overhead; the
+        # cost per token grows as the pass grows).
+        half = n // 2
+        slope = (t[-1] - t[half]) / (n - 1 - half) if n - 1 > half else t[0]
+        return t[-1] + slope * (tokens - n)
+
+    def verify_ms(self, k: int) -> float:
+        """A verify call for a block of k."""
+        return self.forward_ms(self.target_batch * (k + 1)) * self.target_scale + \
+            self.target_call_ms
+
+    def draft_ms(self, k: int) -> float:
+        """A draft call for k tokens (one step each)."""
+        return k * self.draft_step_ms + self.draft_call_ms
+
+
+class LiveCosts(Costs):
+    """Costs that follow the calls as they happen (decayed averages; one per orchestrator, so a
+    new generation starts from what the last ones saw)."""
+
+    decay: float = 0.9
+
+    def observe(self, rec) -> None:
+        """Fold in one call (an orchestrator.clients.CallRecord)."""
+        if rec.outcome != "ok" or rec.re_prefilled or rec.sent_tokens > MAX_STEADY_TOKENS:
+            return  # cancelled, or a prefill: not what a steady round costs
+        beyond = max(0.0, (rec.end - rec.start) * 1000.0 - rec.compute_ms)
+        d = self.decay
+        if rec.service == "target":
+            batch = max(rec.batch_size, 1)
+            expected = self.forward_ms(batch * (rec.sent_tokens + rec.tokens))
+            self.target_scale = d * self.target_scale + (1 - d) * rec.compute_ms / max(
+                expected, 1e-6)
+            self.target_batch = d * self.target_batch + (1 - d) * batch
+            self.target_call_ms = d * self.target_call_ms + (1 - d) * beyond
+        elif rec.tokens > 0:
+            # A draft call runs one pass per token (the first also takes the committed tokens).
+            self.draft_step_ms = d * self.draft_step_ms + (1 - d) * rec.compute_ms / rec.tokens
+            self.draft_call_ms = d * self.draft_call_ms + (1 - d) * beyond
+
+
+MAX_STEADY_TOKENS = 16  # committed tokens a steady round's call sends at most (more: prefill)
+
+
 class KController:
     def __init__(self, target_ms: list[float], draft_ms: list[float], fixed_k: int | None = None,
                  pipelined: bool = False, prior_a: float = 0.5, prior_weight: float = 4.0,
-                 decay: float = 0.95, overhead_ms: float = 1.0, k_max: int = K_MAX):
+                 decay: float = 0.95, k_max: int = K_MAX, costs: Costs | None = None):
         self.fixed_k = fixed_k
         self.pipelined = pipelined
         self.k_max = min(k_max, max(len(target_ms) - 1, 1)) if target_ms else k_max
-        self.target_ms = target_ms or [1.0] * (self.k_max + 1)
-        self.draft_step_ms = draft_ms[0] if draft_ms else 0.0
-        self.overhead_ms = overhead_ms
+        self.costs = costs or Costs.calibrated(target_ms, draft_ms)
         self.decay = decay
         # Acceptance as a decayed count: accepted tokens / (accepted + rejections).
         self.acc = prior_a * prior_weight
         self.rej = (1.0 - prior_a) * prior_weight
         self.zero_rounds = 0
-        self.history: list[int] = []
 
     @property
     def acceptance(self) -> float:
@@ -56,14 +131,14 @@ class KController:
         self.rej = self.rej * self.decay ** k + (1.0 if accepted < k else 0.0)
 
     def round_ms(self, k: int, a: float) -> float:
-        verify = self.target_ms[min(k, len(self.target_ms) - 1)] + self.overhead_ms
+        verify = self.costs.verify_ms(k)
         if k == 0:
             return verify
-        draft = k * self.draft_step_ms + self.overhead_ms
+        draft = self.costs.draft_ms(k)
         if not self.pipelined:
             return draft + verify
         hit = a ** (k + 1)
-        return hit * max(verify, draft + self.draft_step_ms) + (1.0 - hit) * (draft + verify)
+        return hit * max(verify, draft + self.costs.draft_step_ms) + (1.0 - hit) * (draft + verify)
 
     def rate(self, k: int, a: float | None = None) -> float:
         """Expected tokens per millisecond at block length k."""
@@ -82,6 +157,4 @@ class KController:
             # Occasionally try a short block, or a draft that improved would never be noticed.
             self.zero_rounds = 0
             k = 2
-        if not after_full_accept:
-            self.history.append(k)
         return k

@@ -53,11 +53,16 @@ class ServeDefaults:
     mode: str = "pipelined"
     k: int | None = None  # None = adaptive
     stop: list[str] = dataclasses.field(default_factory=list)
+    # Larger bodies get 413 before they are read whole or parsed: 2 MiB holds a 128k-token
+    # prompt of ordinary text, and parsing or tokenizing megabytes would hold the server up.
+    max_body_bytes: int = 2 * 1024 * 1024
 
     def __post_init__(self) -> None:
         # Refuse bad defaults once, at start, rather than on every request.
         sampling = SamplingParams(self.temperature, self.top_k, self.top_p)
         GenerationRequest([0], self.max_tokens, sampling, self.stop, self.mode, self.k)
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
 
 
 # ---- request bodies (strict: "5" is not an integer, as in OpenAI's API) --------------------
@@ -209,6 +214,12 @@ def _service_error(exc: ServiceError) -> APIError:
 
 # ---- the app ------------------------------------------------------------------------------
 
+def request_seed(seed: int | None) -> int:
+    """A request's seed: its own, or a fresh one so that repeated sampled requests differ (as
+    with OpenAI). Every front (the OpenAI routes, the Ray app's /generate) uses this."""
+    return secrets.randbits(63) if seed is None else seed
+
+
 def api_key_matches(authorization: bytes | str | None, api_key: str) -> bool:
     """Whether an Authorization header value is ``Bearer <api_key>``: the scheme matched
     case-insensitively (RFC 9110 section 11.1), the key in constant time."""
@@ -217,6 +228,52 @@ def api_key_matches(authorization: bytes | str | None, api_key: str) -> bool:
     scheme, _, token = (authorization or b"").strip().partition(b" ")
     return hmac.compare_digest(scheme.lower() + b" " + token.strip(),
                                b"bearer " + api_key.encode())
+
+
+class _BodyLimit:
+    """413 for a request body over ``limit`` bytes, by its Content-Length or, for a chunked
+    body, as soon as it grows past it (plain ASGI middleware: the body is read once)."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        too_large = length is not None and length.isdigit() and int(length) > self.limit
+        body, more = [], not too_large
+        size = 0
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message]), send)
+            size += len(message.get("body", b""))
+            body.append(message)
+            more = message.get("more_body", False)
+            if size > self.limit:
+                too_large = True
+                break
+        if too_large:
+            err = APIError(413, f"the request body exceeds {self.limit} bytes",
+                           code="request_too_large")
+            return await JSONResponse(err.body(), status_code=413)(scope, receive, send)
+        await self.app(scope, _replay(body, receive), send)
+
+
+def _replay(messages: list, receive=None):
+    """An ASGI receive that hands out ``messages``, then defers to ``receive``."""
+    pending = list(messages)
+
+    async def replayed():
+        if pending:
+            return pending.pop(0)
+        if receive is None:
+            return {"type": "http.disconnect"}
+        return await receive()
+
+    return replayed
 
 
 class _BearerAuth:
@@ -394,8 +451,7 @@ class _Front:
         top_k = d.top_k if body.top_k is None else body.top_k
         if top_k == -1:  # vLLM's spelling of "no limit"
             top_k = 0
-        # No seed: a fresh one, so that repeated sampled requests differ (as with OpenAI).
-        seed = secrets.randbits(63) if body.seed is None else body.seed
+        seed = request_seed(body.seed)
         try:
             sampling = SamplingParams(temperature, top_k, top_p, seed)
         except ValueError as exc:  # its messages start with the field's name
@@ -581,7 +637,8 @@ def create_app(backend, model_name: str, api_key: str | None = None, *,
     app = FastAPI(title="specdec", summary="OpenAI-compatible speculative decoding")
     app.state.front = front
     app.state.metrics = front.metrics
-    if api_key:
+    app.add_middleware(_BodyLimit, limit=front.defaults.max_body_bytes)
+    if api_key:  # added last, so it runs first: no body is read for an unauthorized request
         app.add_middleware(_BearerAuth, api_key=api_key)
 
     def error_response(request: Request, err: APIError) -> JSONResponse:
@@ -615,15 +672,18 @@ def create_app(backend, model_name: str, api_key: str | None = None, *,
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         front.check_model(body.model)
-        return await front.respond(request, body, front.completion_prompt(body), False,
-                                   body.max_tokens)
+        # Tokenizing (and rendering a chat template) runs off the event loop: a long prompt
+        # must not hold up other requests or /health.
+        prompt_ids = await asyncio.to_thread(front.completion_prompt, body)
+        return await front.respond(request, body, prompt_ids, False, body.max_tokens)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         front.check_model(body.model)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
-        return await front.respond(request, body, front.chat_prompt(body), True, max_tokens)
+        prompt_ids = await asyncio.to_thread(front.chat_prompt, body)
+        return await front.respond(request, body, prompt_ids, True, max_tokens)
 
     @app.get("/v1/models")
     async def models():
@@ -633,18 +693,27 @@ def create_app(backend, model_name: str, api_key: str | None = None, *,
 
     @app.get("/health")
     async def health():
-        """200 while the target answers (without a draft the rounds go on, slower)."""
-        try:
-            await asyncio.wait_for(backend.target.stats(), 5.0)
-        except Exception as exc:
-            return JSONResponse({"status": "unavailable", "error": f"target: {exc}"},
-                                status_code=503)
+        """200 while every target answers (without a draft the rounds go on, slower)."""
+        targets = {name: c for name, c in backend.service_clients().items()
+                   if name == "target" or name.endswith("/target")}
+
+        async def error(client) -> str | None:
+            try:
+                await asyncio.wait_for(client.stats(), 5.0)
+            except Exception as exc:
+                return str(exc) or type(exc).__name__
+            return None
+
+        errors = dict(zip(targets, await asyncio.gather(*map(error, targets.values()))))
+        failed = {name: e for name, e in errors.items() if e is not None}
+        if failed:
+            return JSONResponse({"status": "unavailable", "error": "; ".join(
+                f"{name}: {e}" for name, e in failed.items())}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics_endpoint():
-        await front.metrics.refresh_services({"target": backend.target,
-                                              "draft": backend.draft})
+        await front.metrics.refresh_services(backend.service_clients())
         return Response(front.metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app

@@ -89,6 +89,7 @@ class CallRecord:
     outcome: str = "ok"  # ok | cancelled | error
     re_prefilled: bool = False  # the service had lost the session; the history was re-sent
     batch_size: int = 1  # sessions that shared the service's forward pass
+    sent_tokens: int = 0  # committed tokens the call appended to the service's cache
 
 
 class Backoff:
@@ -273,7 +274,7 @@ class DraftClient(ServiceClient):
             if self._tickets.get(session_id) == ticket:
                 self.known[session_id] = seq.tokens + list(resp.tokens[:-1])
             return resp, CallRecord("draft", start, end, resp.compute_ms, len(resp.tokens),
-                                    re_prefilled=attempt > 0)
+                                    re_prefilled=attempt > 0, sent_tokens=len(tokens))
         raise AssertionError("unreachable")
 
 
@@ -357,7 +358,8 @@ class TargetClient(ServiceClient):
             end = time.perf_counter()
             self.known[session_id] = history.tokens + list(draft_tokens[: resp.num_accepted])
             return resp, CallRecord("target", start, end, resp.compute_ms, len(draft_tokens),
-                                    re_prefilled=re_prefilled, batch_size=resp.batch_size)
+                                    re_prefilled=re_prefilled, batch_size=resp.batch_size,
+                                    sent_tokens=len(tokens))
 
     async def close_session(self, session_id: str) -> None:
         call = self._streams.pop(session_id, None)

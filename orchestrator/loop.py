@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from orchestrator.adaptive import KController
+from orchestrator.adaptive import Costs, KController, LiveCosts
 from orchestrator.clients import CallRecord, DraftClient, History, ServiceError, TargetClient
 from orchestrator.text import TextStream
 from specdec.config import MAX_K, SamplingParams
@@ -187,12 +187,30 @@ class Orchestrator:
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.max_context = max_context
+        # What rounds cost as the calls show it, shared by this orchestrator's generations;
+        # None: greedy requests too use the services' start-up calibration.
+        self.live_costs: LiveCosts | None = LiveCosts(**vars(self._calibrated_costs()))
 
-    def _controller(self, req: GenerationRequest) -> KController:
+    def _calibrated_costs(self) -> Costs:
         target_ms = list(self.target.info.forward_ms) if self.target.info else []
         draft_ms = list(self.draft.info.forward_ms) if self.draft and self.draft.info else []
-        return KController(target_ms, draft_ms, fixed_k=req.k,
-                           pipelined=req.mode == "pipelined")
+        return Costs.calibrated(target_ms, draft_ms)
+
+    def _record(self, stats: "GenerationStats", rec: CallRecord) -> None:
+        stats.calls.append(rec)
+        if self.live_costs is not None:
+            self.live_costs.observe(rec)
+
+    def service_clients(self) -> dict[str, object]:
+        """The service clients by name (health checks and metrics ask each of them)."""
+        return {"target": self.target, **({"draft": self.draft} if self.draft else {})}
+
+    def _controller(self, req: GenerationRequest) -> KController:
+        costs = self._calibrated_costs()
+        if req.sampling.greedy and self.live_costs is not None:
+            costs = self.live_costs  # k cannot change greedy text: cost rounds as they are
+        return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
+                           pipelined=req.mode == "pipelined", costs=costs)
 
     async def generate(self, req: GenerationRequest) -> GenerationResult:
         """Run a generation to the end and return its result."""
@@ -215,6 +233,7 @@ class Orchestrator:
         history = History(req.prompt_ids)
         n_prompt = len(req.prompt_ids)
         generated: list[int] = []
+        streamed = 0  # generated ids already handed out in a Delta
         text = TextStream(self.tokenizer, req.stop)
         finish = "length"
         started = time.perf_counter()
@@ -265,7 +284,7 @@ class Orchestrator:
                     [pb.SparseDist(ids=i, probs=p) for i, p in block.dists],
                     req.sampling, req.request_id,
                 )
-                stats.calls.append(rec)
+                self._record(stats, rec)
                 n_acc = int(resp.num_accepted)
                 new = block.tokens[:n_acc] + [int(resp.next_token)]
                 stats.rounds += 1
@@ -317,8 +336,10 @@ class Orchestrator:
                 if text.stopped:
                     finish, done = "stop", True
                     generated = generated[: text.stop_token_count]
-                if delta:
-                    yield Delta(delta, new)
+                if delta or (done and streamed < len(generated)):
+                    # the ids not yet streamed, none past EOS or the stop string
+                    yield Delta(delta, generated[streamed:])
+                    streamed = len(generated)
                 if done:
                     break
         finally:
@@ -347,7 +368,7 @@ class Orchestrator:
                 self.draft.mark_failed()  # every generation goes without it for a while
             log.warning("request %s: draft failed (%s); continuing without it", req.request_id, exc)
             return None
-        stats.calls.append(rec)
+        self._record(stats, rec)
         return _Block(list(resp.tokens), [(list(d.ids), list(d.probs)) for d in resp.dists])
 
     async def _close(self, session_id: str) -> None:

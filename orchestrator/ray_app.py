@@ -440,14 +440,14 @@ class GenerateBody(pydantic.BaseModel):
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None  # None: a fresh seed, as on the OpenAI routes
     stop: list[str] = []
     session: str | None = None  # routing key: equal keys go to one pair under ``hash`` routing
 
 
 def native_routes(router, api_key: str | None) -> fastapi.APIRouter:
     """POST /generate (summary JSON with token ids, and the pair that ran it), GET /pairs."""
-    from orchestrator.api import api_key_matches
+    from orchestrator.api import api_key_matches, request_seed
     from orchestrator.cli import encode_prompt
     from orchestrator.loop import GenerationRequest
     from specdec.config import SamplingParams
@@ -468,7 +468,8 @@ def native_routes(router, api_key: str | None) -> fastapi.APIRouter:
                 ids = encode_prompt(router.tokenizer, body.prompt, body.chat)
             req = GenerationRequest(
                 ids, body.max_new_tokens,
-                SamplingParams(body.temperature, body.top_k, body.top_p, body.seed),
+                SamplingParams(body.temperature, body.top_k, body.top_p,
+                               request_seed(body.seed)),
                 body.stop, body.mode, body.k)
             result, i = await router.generate_on_pair(req, body.session)
         except ValueError as exc:

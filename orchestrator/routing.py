@@ -1,10 +1,10 @@
 """Spread generations over several draft/target pairs; every round of one generation stays on
 its pair, because the services' KV caches for that session live there.
 
-``PairRouter`` looks like an ``Orchestrator`` to its callers (an HTTP front, the Ray app): it has
-``generate`` and ``stream``, and everything else an Orchestrator has (``tokenizer``,
-``max_context``, ``eos_ids``, ...) comes from its first pair, since all pairs serve one model
-with one tokenizer.
+``PairRouter`` offers what an HTTP front or the Ray app needs of an ``Orchestrator``:
+``generate``, ``stream``, ``tokenizer`` and ``max_context`` (the same for every pair: one model,
+one tokenizer) and ``service_clients()``, which names every pair's services, so health checks
+and metrics see all of them.
 """
 
 from __future__ import annotations
@@ -48,11 +48,19 @@ class PairRouter:
         self.in_flight = [0] * len(pairs)
         self.served = [0] * len(pairs)
 
-    def __getattr__(self, name: str):
-        # Reached only for attributes this class lacks: the first pair's Orchestrator answers.
-        if name.startswith("__") or "pairs" not in self.__dict__:
-            raise AttributeError(name)
-        return getattr(self.pairs[0], name)
+    @property
+    def tokenizer(self):
+        return self.pairs[0].tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return min(p.max_context for p in self.pairs)
+
+    def service_clients(self) -> dict[str, object]:
+        """Every pair's service clients, as ``<pair>/target`` and ``<pair>/draft``."""
+        return {f"{label}/{name}": client
+                for label, pair in zip(self.labels, self.pairs)
+                for name, client in pair.service_clients().items()}
 
     def pick(self, key: str) -> int:
         n = len(self.pairs)

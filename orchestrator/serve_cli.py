@@ -31,6 +31,8 @@ def register(subparsers) -> None:
                    help="the model id clients send and /v1/models lists")
     s.add_argument("--log-level", default="INFO",
                    help="INFO logs one line per request (default)")
+    s.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
+                   help="larger request bodies get HTTP 413 (default: 2 MiB)")
     add_generation_arguments(s)
     add_pair_arguments(s)
     s.set_defaults(func=cmd_serve)
@@ -52,7 +54,7 @@ def cmd_serve(args) -> int:
     try:
         defaults = ServeDefaults(max_tokens=args.max_new_tokens, temperature=args.temperature,
                                  top_p=args.top_p, top_k=args.top_k, mode=args.mode, k=args.k,
-                                 stop=list(args.stop))
+                                 stop=list(args.stop), max_body_bytes=args.max_body_bytes)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
 

@@ -27,15 +27,15 @@ class TextStream:
         if self.stopped:
             return ""
         text = self._decode(ids)
-        cut = None
+        cut, end = None, None
         for s in self.stop:
             at = text.find(s)
             if at != -1 and (cut is None or at < cut):
-                cut = at
+                cut, end = at, at + len(s)
         if cut is not None:
             self.stopped = True
             self.text = text[:cut]
-            self.stop_token_count = self._tokens_covering(ids, cut)
+            self.stop_token_count = self._tokens_covering(ids, end)
             delta = self.text[self.emitted :]
             self.emitted = len(self.text)
             return delta
@@ -50,8 +50,10 @@ class TextStream:
         return delta
 
     def _tokens_covering(self, ids: list[int], chars: int) -> int:
-        """Fewest leading tokens whose text reaches the stop string's start (plus the stop)."""
+        """Fewest leading tokens whose text holds the first ``chars`` characters: the tokens
+        generated up to and including the one that completed the stop string (as vLLM counts
+        them; the text itself ends before the stop string)."""
         for n in range(1, len(ids) + 1):
-            if len(self._decode(ids[:n])) > chars:
+            if len(self._decode(ids[:n])) >= chars:
                 return n
         return len(ids)

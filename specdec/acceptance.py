@@ -18,6 +18,8 @@ from typing import Sequence
 
 import torch
 
+from specdec.sampling import PositionRandom
+
 
 def verify_greedy(
     draft_tokens: torch.Tensor,  # [k] int
@@ -39,7 +41,7 @@ def verify_sampling(
     draft_tokens: torch.Tensor,  # [k] int
     draft_probs: torch.Tensor,  # [k, vocab], the distributions the draft sampled from
     target_probs: torch.Tensor,  # [k + 1, vocab], after the request's logits processing
-    generators: Sequence[torch.Generator],  # k + 1 generators, one per position
+    generators: Sequence[PositionRandom],  # k + 1 streams, one per position
 ) -> tuple[int, int]:
     """Rejection sampling. Returns (num_accepted, next_token)."""
     k = draft_tokens.shape[0]
@@ -52,7 +54,7 @@ def verify_sampling(
         x = int(draft_tokens[i])
         q_x = float(draft_probs[i, x])
         p_x = float(target_probs[i, x])
-        u = float(torch.rand((), generator=generators[i], dtype=torch.float64))
+        u = generators[i].uniform()
         # A draft token the draft gave zero probability cannot have been sampled from it; treat
         # it as rejected rather than divide by zero (it only happens with a broken draft).
         if q_x > 0.0 and u * q_x < p_x:  # u < p/q without dividing
@@ -65,7 +67,5 @@ def verify_sampling(
             # in the two distributions; p itself is the right fallback.
             residual = target_probs[i]
             total = float(residual.sum())
-        token = int(torch.multinomial((residual / total).float(), 1, generator=generators[i]))
-        return i, token
-    bonus = int(torch.multinomial(target_probs[k].float(), 1, generator=generators[k]))
-    return k, bonus
+        return i, generators[i].categorical(residual)
+    return k, generators[k].categorical(target_probs[k])

@@ -37,7 +37,7 @@ class ModelInfo:
     drafter: str = "model"
 
 
-def calibrate(engine: LlamaEngine, max_tokens: int = 9, context: int = 128, reps: int = 5) -> list[float]:
+def calibrate(engine: LlamaEngine, max_tokens: int = 16, context: int = 128, reps: int = 5) -> list[float]:
     """Median ms of one forward over m new tokens (m = 1..max_tokens) after ``context`` tokens.
 
     One warm-up pass over every m (oneDNN builds its primitives per shape), then ``reps``

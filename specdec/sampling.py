@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
-
+import numpy as np
 import torch
 
 from specdec.config import SamplingParams
@@ -37,25 +36,45 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 _DOMAINS = {"draft": 1, "target": 2}
 
 
-def position_generator(seed: int, position: int, domain: str) -> torch.Generator:
-    """A generator whose stream depends only on (seed, position, domain).
+class PositionRandom:
+    """Random draws for one (seed, position, domain): uniforms and categorical samples.
+
+    Backed by numpy's PCG64 seeded through a SeedSequence of the whole (seed, position, domain),
+    so distinct streams share no state (torch's CPU generator keeps only 32 bits of its seed:
+    two positions' streams would coincide with probability 2^-32 each).
+    """
+
+    def __init__(self, seed: int, position: int, domain: str):
+        self._rng = np.random.Generator(np.random.PCG64(
+            np.random.SeedSequence([int(seed), int(position), _DOMAINS[domain]])))
+
+    def uniform(self) -> float:
+        """U in [0, 1), float64."""
+        return float(self._rng.random())
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        """One index drawn from probs: [n] (any device, need not sum exactly to 1)."""
+        cdf = np.cumsum(probs.detach().double().cpu().numpy())
+        assert cdf[-1] > 0, "cannot sample from an all-zero distribution"
+        # Inverse CDF in float64; searchsorted "right" never picks an index of zero mass.
+        i = int(np.searchsorted(cdf, self.uniform() * cdf[-1], side="right"))
+        return min(i, len(cdf) - 1)
+
+
+def position_generator(seed: int, position: int, domain: str) -> PositionRandom:
+    """The random stream of (seed, position, domain), and only of them.
 
     Tying randomness to the token position (not to call order) makes a session that was
     re-prefilled after a lost cache, or re-drafted after a rollback, sample exactly as an
     undisturbed one would. The draft and the target use different domains, so their draws are
     independent, which the acceptance rule requires.
     """
-    digest = hashlib.blake2b(
-        f"{seed}:{position}:{_DOMAINS[domain]}".encode(), digest_size=8
-    ).digest()
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
-    return gen
+    return PositionRandom(seed, position, domain)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
+def sample(probs: torch.Tensor, generator: PositionRandom) -> int:
     """Draw one token id from probs: [vocab] (on any device; drawn on the CPU)."""
-    return int(torch.multinomial(probs.float().cpu(), 1, generator=generator).item())
+    return generator.categorical(probs)
 
 
 def to_sparse(probs: torch.Tensor, max_ids: int = 0) -> tuple[list[int], list[float]]:

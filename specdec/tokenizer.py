@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pathlib
 
 
 def fingerprint(tokenizer) -> str:
@@ -20,14 +21,26 @@ def fingerprint(tokenizer) -> str:
 
 
 def eos_token_ids(tokenizer, config=None) -> list[int]:
-    """End-of-sequence ids from the tokenizer and (if given) the model's generation config."""
+    """End-of-sequence ids as transformers stops on them: the tokenizer's, the model config's
+    and those of the model directory's ``generation_config.json`` (where chat models such as
+    Llama 3 list their end-of-turn tokens)."""
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
-    for source in (config, getattr(config, "generation_config", None)):
+    for source in (config, _generation_config(config)):
         eos = getattr(source, "eos_token_id", None) if source is not None else None
         if isinstance(eos, int):
             ids.add(eos)
         elif isinstance(eos, (list, tuple)):
             ids.update(int(e) for e in eos)
     return sorted(ids)
+
+
+def _generation_config(config):
+    """The GenerationConfig saved beside a model config loaded from a directory, if any."""
+    path = pathlib.Path(getattr(config, "_name_or_path", "") or "")
+    if not (path / "generation_config.json").is_file():
+        return None
+    from transformers import GenerationConfig
+
+    return GenerationConfig.from_pretrained(path)

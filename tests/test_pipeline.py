@@ -120,6 +120,7 @@ async def _generate_with_costs(services, draft_key, prompt, target_ms, draft_ms,
     try:
         orch.target.info.forward_ms[:] = target_ms
         orch.draft.info.forward_ms[:] = draft_ms
+        orch.live_costs = None  # these figures, not the tiny services' live costs
         return await orch.generate(GenerationRequest(prompt, max_new, mode="spec", k=None))
     finally:
         await close(orch)

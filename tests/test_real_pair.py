@@ -22,7 +22,9 @@ def specdec_json(tmp_path, *args, prompts=CHAT_PROMPTS):
         capture_output=True, text=True, timeout=900,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["prompt"] for r in rows] == list(prompts), "one row per prompt, in order"
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -37,12 +39,13 @@ def test_target_only_equals_transformers_generate(target_only):
     tok = load_tokenizer("default")
     for row, prompt in zip(target_only, CHAT_PROMPTS):
         ref = hf_greedy("default", encode_prompt(tok, prompt, None), MAX_NEW)
-        assert row["token_ids"] == ref[: len(row["token_ids"])]
+        assert row["token_ids"] == ref, prompt  # whole outputs: HF stops at EOS too
         assert row["draft_tokens"] == 0 and row["completion_tokens"] == len(row["token_ids"])
 
 
 def test_self_draft_is_identical_with_acceptance_one(tmp_path, target_only):
     rows = specdec_json(tmp_path, "--mode", "spec", "--draft", "default", "--k", "4")
+    assert len(rows) == len(target_only)
     for row, ref in zip(rows, target_only):
         assert row["token_ids"] == ref["token_ids"]
         assert row["acceptance_rate"] == 1.0
@@ -56,6 +59,7 @@ def test_self_draft_is_identical_with_acceptance_one(tmp_path, target_only):
 @pytest.mark.parametrize("mode", ["spec", "pipelined"])
 def test_default_draft_is_identical(tmp_path, target_only, mode):
     rows = specdec_json(tmp_path, "--mode", mode)
+    assert len(rows) == len(target_only)
     for row, ref in zip(rows, target_only):
         assert row["token_ids"] == ref["token_ids"], row["prompt"]
         assert row["rounds"] > 0 and row["mode"] == mode

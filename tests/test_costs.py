@@ -1,0 +1,82 @@
+"""Live costs: what calls show moves the cost model, and k follows the target's load."""
+
+import random
+
+from orchestrator.adaptive import Costs, KController, LiveCosts
+from orchestrator.clients import CallRecord
+
+# T(m) ms, m = 1..16, as calibrated on a 2-core CPU: flat to m ~ 6, then ~1 ms per token
+CURVE = [30.0, 31, 31, 31, 31, 32, 33, 35, 36, 37, 38, 39, 40, 41, 43, 44]
+
+
+def rec(service, compute_ms, tokens, sent=1, rpc_extra_ms=2.0, batch=1, outcome="ok",
+        re_prefilled=False):
+    return CallRecord(service, 0.0, (compute_ms + rpc_extra_ms) / 1000.0, compute_ms, tokens,
+                      outcome, re_prefilled, batch, sent)
+
+
+def live():
+    return LiveCosts(**vars(Costs.calibrated(CURVE, [3.0])))
+
+
+def test_costs_follow_the_calls():
+    costs = live()
+    for _ in range(80):
+        costs.observe(rec("target", 60.0, 4))  # a 5-token verify at twice its calibration
+        costs.observe(rec("draft", 20.0, 4, rpc_extra_ms=3.0))  # 5 ms a step, 3 ms a call
+    assert abs(costs.target_scale - 60.0 / 31.0) < 0.01
+    assert abs(costs.target_call_ms - 2.0) < 0.01
+    assert abs(costs.draft_step_ms - 5.0) < 0.01 and abs(costs.draft_call_ms - 3.0) < 0.01
+    assert abs(costs.verify_ms(4) - (31.0 * 60.0 / 31.0 + 2.0)) < 0.1
+
+
+def test_prefills_cancellations_and_re_prefills_are_not_steady_costs():
+    costs = live()
+    before = vars(costs).copy()
+    for r in (rec("target", 900.0, 0, sent=300), rec("draft", 400.0, 4, sent=300),
+              rec("draft", 1.0, 0, outcome="cancelled"),
+              rec("target", 500.0, 4, re_prefilled=True)):
+        costs.observe(r)
+    assert vars(costs) == before
+
+
+def _k_after(costs, batch, rounds=60, acceptance=0.6):
+    """k after ``rounds`` rounds against a target batching ``batch`` sessions, with a draft
+    whose every token is accepted with probability ``acceptance``."""
+    rng = random.Random(0)
+    ctl = KController(CURVE, [3.0], costs=costs)
+    for _ in range(rounds):
+        k = ctl.next_k()
+        costs.observe(rec("target", costs.forward_ms(batch * (k + 1)), k, batch=batch))
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        ctl.observe(k, accepted)
+    return ctl.next_k()
+
+
+def test_k_falls_to_zero_under_a_large_batch_and_rises_when_it_empties():
+    costs = live()
+    alone = _k_after(costs, batch=1)
+    assert alone >= 2  # a flat verify pass and a good draft: speculate
+    assert _k_after(costs, batch=64) == 0  # k + 1 tokens per session cost the whole batch
+    assert _k_after(costs, batch=1) >= 2  # the batch emptied: speculation resumes
+
+
+def test_sampled_requests_keep_the_calibrated_costs():
+    from orchestrator.loop import GenerationRequest, Orchestrator
+    from specdec.config import SamplingParams
+
+    class Info:
+        forward_ms = CURVE
+
+    class Client:
+        info = Info()
+
+    orch = Orchestrator(Client(), Client(), tokenizer=None, eos_ids=[], max_context=512)
+    for _ in range(50):
+        orch.live_costs.observe(rec("target", 300.0, 4))
+    greedy = orch._controller(GenerationRequest([1], 8))
+    sampled = orch._controller(GenerationRequest([1], 8, SamplingParams(temperature=0.8)))
+    assert greedy.costs is orch.live_costs and greedy.costs.target_scale > 5
+    assert sampled.costs.target_scale == 1.0 and sampled.costs.target_ms == CURVE
