@@ -53,6 +53,7 @@ class ServeDefaults:
     mode: str = "pipelined"
     k: int | None = None  # None = adaptive
     stop: list[str] = dataclasses.field(default_factory=list)
+    prompt_lookup: bool = True  # see GenerationRequest.prompt_lookup
     # Larger bodies get 413 before they are read whole or parsed: 2 MiB holds a 128k-token
     # prompt of ordinary text, and parsing or tokenizing megabytes would hold the server up.
     max_body_bytes: int = 2 * 1024 * 1024
@@ -466,7 +467,7 @@ class _Front:
         k = d.k if body.specdec_k is None else body.specdec_k
         try:
             return GenerationRequest(prompt_ids, max_tokens, sampling, list(stop), mode, k,
-                                     request_id)
+                                     request_id, prompt_lookup=d.prompt_lookup)
         except ValueError as exc:
             raise _invalid(str(exc), "specdec_k" if "k must" in str(exc) else None)
 

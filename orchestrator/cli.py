@@ -51,6 +51,9 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
                         "starts both services on this machine (they share its cores), pipelined "
                         "when they run elsewhere (--target-addr / --draft-addr)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
+                   help="draft with the draft model only (default: a block is first looked up "
+                        "in the prompt and the text so far)")
 
 
 def add_pair_arguments(p: argparse.ArgumentParser) -> None:
@@ -184,7 +187,7 @@ def cmd_generate(args) -> int:
             for prompt in prompts:
                 ids = encode_prompt(orch.tokenizer, prompt, args.chat)
                 req = GenerationRequest(ids, args.max_new_tokens, sampling, args.stop,
-                                        args.mode, args.k)
+                                        args.mode, args.k, prompt_lookup=args.prompt_lookup)
                 if args.json:
                     result = await orch.generate(req)
                     out = result.summary()

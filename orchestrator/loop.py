@@ -26,6 +26,7 @@ from orchestrator.adaptive import Costs, KController, LiveCosts
 from orchestrator.clients import CallRecord, DraftClient, History, ServiceError, TargetClient
 from orchestrator.text import TextStream
 from specdec.config import MAX_K, SamplingParams
+from specdec.drafting import lookup
 from specdec.wire import specdec_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,9 @@ class GenerationRequest:
     mode: str = "pipelined"
     k: int | None = None  # None = adaptive
     request_id: str = ""
+    # Prompt lookup before the draft model: when the history's last tokens occurred earlier,
+    # propose what followed them (free, and strong on input-grounded text).
+    prompt_lookup: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -66,6 +70,9 @@ class GenerationStats:
     rounds_per_k: dict[int, int] = dataclasses.field(default_factory=dict)
     tokens_per_round: list[int] = dataclasses.field(default_factory=list)
     k_requested: list[int] = dataclasses.field(default_factory=list)  # k asked of the draft
+    lookup_rounds: int = 0  # rounds whose block came from prompt lookup, not the draft model
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
     pipeline_hits: int = 0  # rounds whose block was drafted during the previous verify
     pipeline_misses: int = 0  # speculative blocks dropped (rejection or wrong guess)
     re_prefills: int = 0
@@ -153,6 +160,9 @@ class GenerationResult:
                 [(c.end - c.compute_ms / 1000.0, c.end) for c in s.calls])) / s.rounds * 1000.0,
                 3) if s.rounds else 0.0,
             time_split={k: round(v, 4) for k, v in split.items() if k != "overlap_efficiency"},
+            lookup_rounds=s.lookup_rounds,
+            lookup_acceptance=round(s.lookup_accepted / s.lookup_drafted, 4)
+            if s.lookup_drafted else 0.0,
             pipeline_hits=s.pipeline_hits,
             pipeline_misses=s.pipeline_misses,
             re_prefills=s.re_prefills,
@@ -175,6 +185,22 @@ class _Block:
     def __init__(self, tokens: list[int], dists: list):
         self.tokens = tokens
         self.dists = dists
+
+
+LOOKUP_MIN_NGRAM = 3  # a shorter match proposes noise more often than the draft model
+LOOKUP_MAX_NGRAM = 5
+LOOKUP_MAX_TOKENS = 8
+
+
+def _lookup_block(history: list[int], room: int, sampling: SamplingParams) -> _Block | None:
+    """Prompt lookup: what followed the latest earlier occurrence of the history's last 3-5
+    tokens, as a block (q is one-hot on each proposed token), or None without a match."""
+    if room < 1:
+        return None
+    tokens = lookup(history, min(LOOKUP_MAX_TOKENS, room), LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
+    if not tokens:
+        return None
+    return _Block(tokens, [] if sampling.greedy else [([t], [1.0]) for t in tokens])
 
 
 class Orchestrator:
@@ -251,10 +277,17 @@ class Orchestrator:
                 # target's prefill produces its first token while the draft prefills and drafts
                 # past its guess of that token (step 2), which gives time to first token = the
                 # target's prefill alone.
-                no_draft = False
+                no_draft = looked_up = False
                 first_pipelined = (req.mode == "pipelined" and stats.rounds == 0 and k > 0
                                    and await self.draft.available())
-                if first_pipelined:
+                if block is None and req.prompt_lookup and req.mode != "target-only":
+                    block = _lookup_block(history.tokens, remaining - 1, req.sampling)
+                    looked_up = block is not None
+                if looked_up:
+                    k = len(block.tokens)  # free to draft: the verify pass decides
+                    first_pipelined = False
+                    stats.lookup_rounds += 1
+                elif first_pipelined:
                     block = _Block([], [])
                 elif k > 0 and block is None:
                     if await self.draft.available():
@@ -298,7 +331,10 @@ class Orchestrator:
                 stats.tokens_per_round.append(len(new))
                 if no_draft:  # the draft was down or failed: this round's token came alone
                     stats.tokens_without_draft += 1
-                if k_ctl is not None and block.tokens:
+                if looked_up:  # the draft model's acceptance is learnt from its own blocks
+                    stats.lookup_drafted += len(block.tokens)
+                    stats.lookup_accepted += n_acc
+                elif k_ctl is not None and block.tokens:
                     k_ctl.observe(len(block.tokens), n_acc)
                 elif k_ctl is not None:
                     k_ctl.observe(0, 0)

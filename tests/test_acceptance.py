@@ -111,6 +111,9 @@ CASES = {
     # the draft puts mass (0.6) on token 4, where the target has none
     "draft_mass_where_target_has_none": (torch.tensor([0.3, 0.3, 0.4, 0.0, 0.0]),
                                          torch.tensor([0.1, 0.1, 0.1, 0.1, 0.6])),
+    # a deterministic proposal (prompt lookup, n-grams): q is one-hot on the proposed token
+    "deterministic_proposal": (torch.tensor([0.3, 0.3, 0.4, 0.0, 0.0]),
+                               torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0])),
 }
 
 

@@ -121,7 +121,9 @@ async def _generate_with_costs(services, draft_key, prompt, target_ms, draft_ms,
         orch.target.info.forward_ms[:] = target_ms
         orch.draft.info.forward_ms[:] = draft_ms
         orch.live_costs = None  # these figures, not the tiny services' live costs
-        return await orch.generate(GenerationRequest(prompt, max_new, mode="spec", k=None))
+        # the draft service's blocks only: k is learnt from them (lookup blocks bypass it)
+        return await orch.generate(GenerationRequest(prompt, max_new, mode="spec", k=None,
+                                                     prompt_lookup=False))
     finally:
         await close(orch)
 
@@ -139,3 +141,32 @@ def test_adaptive_k_through_the_services(tiny_services):
     bad = run(_generate_with_costs(tiny_services, "draft", PROMPT, TARGET_MS, [5.0]))
     assert bad.stats.rounds_per_k.get(0, 0) > bad.stats.rounds / 2  # mostly target-only
     assert bad.stats.acceptance_rate < 0.3
+
+
+def test_prompt_lookup_blocks_are_verified_like_any_draft(tiny_services):
+    """A prompt whose text repeats: lookup proposes blocks, output equals target-only's."""
+    from orchestrator.loop import GenerationRequest
+    from orchestrator.pair import close, connect
+
+    prompt = [5, 6, 7, 8, 9] * 8
+
+    async def go():
+        orch = await connect(tiny_services["target"].address, tiny_services["draft"].address)
+        try:
+            ref = await orch.generate(GenerationRequest(prompt, 40, mode="target-only"))
+            out = {}
+            for mode in ("spec", "pipelined"):
+                for lookup in (True, False):
+                    out[mode, lookup] = await orch.generate(
+                        GenerationRequest(prompt, 40, mode=mode, prompt_lookup=lookup))
+            return ref, out
+        finally:
+            await close(orch)
+
+    ref, out = run(go())
+    for key, result in out.items():
+        assert result.token_ids == ref.token_ids, key
+    for mode in ("spec", "pipelined"):
+        assert out[mode, True].stats.lookup_rounds > 0
+        assert out[mode, False].stats.lookup_rounds == 0
+    assert ref.stats.lookup_rounds == 0  # the baseline never drafts
