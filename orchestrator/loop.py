@@ -187,17 +187,19 @@ class _Block:
         self.dists = dists
 
 
-LOOKUP_MIN_NGRAM = 3  # a shorter match proposes noise more often than the draft model
+LOOKUP_MIN_NGRAM = 3  # matched tokens a lookup block needs to take a draft model's round
+LOOKUP_MIN_NGRAM_ALONE = 1  # ... and a round the draft model would not draft (k = 0)
 LOOKUP_MAX_NGRAM = 5
 LOOKUP_MAX_TOKENS = 8
 
 
-def _lookup_block(history: list[int], room: int, sampling: SamplingParams) -> _Block | None:
-    """Prompt lookup: what followed the latest earlier occurrence of the history's last 3-5
-    tokens, as a block (q is one-hot on each proposed token), or None without a match."""
+def _lookup_block(history: list[int], room: int, sampling: SamplingParams,
+                  min_ngram: int) -> _Block | None:
+    """Prompt lookup: what followed the latest earlier occurrence of the history's last
+    ``min_ngram``..5 tokens, as a block (q is one-hot on each proposed token), or None."""
     if room < 1:
         return None
-    tokens = lookup(history, min(LOOKUP_MAX_TOKENS, room), LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM)
+    tokens = lookup(history, min(LOOKUP_MAX_TOKENS, room), LOOKUP_MAX_NGRAM, min_ngram)
     if not tokens:
         return None
     return _Block(tokens, [] if sampling.greedy else [([t], [1.0]) for t in tokens])
@@ -281,7 +283,8 @@ class Orchestrator:
                 first_pipelined = (req.mode == "pipelined" and stats.rounds == 0 and k > 0
                                    and await self.draft.available())
                 if block is None and req.prompt_lookup and req.mode != "target-only":
-                    block = _lookup_block(history.tokens, remaining - 1, req.sampling)
+                    block = _lookup_block(history.tokens, remaining - 1, req.sampling,
+                                          LOOKUP_MIN_NGRAM if k > 0 else LOOKUP_MIN_NGRAM_ALONE)
                     looked_up = block is not None
                 if looked_up:
                     k = len(block.tokens)  # free to draft: the verify pass decides
