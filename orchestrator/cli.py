@@ -99,17 +99,52 @@ def tls_from_args(args) -> dict | None:
     return dict(ca=ca, cert=cert, key=key, server_name=args.tls_server_name)
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool | None) -> list[int]:
-    """Prompt ids; chat (default when the tokenizer has a template) applies the chat template."""
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool | None) -> list[int]:
+    """Prompt ids. A string: chat (default when the tokenizer has a template) wraps it as one
+    user message and applies the chat template. A list of messages: always the template."""
+    if isinstance(prompt, list):
+        return _chat_ids(tokenizer, prompt)
     if chat is None:
         chat = bool(getattr(tokenizer, "chat_template", None))
     if chat:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
+        return _chat_ids(tokenizer, [{"role": "user", "content": prompt}])
     return [int(t) for t in tokenizer(prompt)["input_ids"]]
+
+
+def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def read_prompt_file(path: str) -> list[str | list[dict]]:
+    """Prompts from a file: JSONL (a "prompt" string or a "messages" list per line, so prompts
+    may span lines and hold whole chats) when it ends in .jsonl, else one prompt per line."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    if not path.endswith(".jsonl"):
+        return lines
+    prompts: list[str | list[dict]] = []
+    for n, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{n}: not a JSON object: {exc}") from None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str):
+            prompts.append(row["prompt"])
+        elif isinstance(row, dict) and _is_chat(row.get("messages")):
+            prompts.append(row["messages"])
+        else:
+            raise ValueError(f'{path}:{n}: each line needs a "prompt" string or a "messages" '
+                             f'list of {{"role", "content"}} objects')
+    return prompts
+
+
+def _is_chat(messages) -> bool:
+    return isinstance(messages, list) and bool(messages) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in messages)
 
 
 class Pair:
@@ -169,8 +204,10 @@ def cmd_generate(args) -> int:
 
     prompts = []
     if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            prompts = read_prompt_file(args.prompt_file)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}")
     if args.prompt:
         prompts.insert(0, args.prompt)
     if not prompts:
@@ -260,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text with speculative decoding")
     g.add_argument("prompt", nargs="?", help="the prompt (or use --prompt-file)")
-    g.add_argument("--prompt-file", help="one prompt per line")
+    g.add_argument("--prompt-file", help="one prompt per line, or .jsonl: a \"prompt\" or a "
+                                         "\"messages\" (chat) field per line")
     g.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="apply the chat template (default for chat models)")
     g.add_argument("--no-chat", dest="chat", action="store_false")
