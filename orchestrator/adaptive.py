@@ -53,6 +53,11 @@ class Costs:
     def calibrated(cls, target_ms: list[float], draft_ms: list[float]) -> "Costs":
         return cls(list(target_ms) or [1.0] * (K_MAX + 1), draft_ms[0] if draft_ms else 0.0)
 
+    def without_draft(self) -> "Costs":
+        """These costs for a drafter that costs nothing (prompt lookup): a snapshot."""
+        return Costs(list(self.target_ms), 0.0, self.target_scale, self.target_call_ms, 0.0,
+                     self.target_batch)
+
     def forward_ms(self, tokens: float) -> float:
         """Calibrated T(m) of one target forward over ``tokens`` new tokens."""
         t, n = self.target_ms, len(self.target_ms)

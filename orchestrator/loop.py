@@ -233,12 +233,21 @@ class Orchestrator:
         """The service clients by name (health checks and metrics ask each of them)."""
         return {"target": self.target, **({"draft": self.draft} if self.draft else {})}
 
-    def _controller(self, req: GenerationRequest) -> KController:
-        costs = self._calibrated_costs()
+    def _costs(self, req: GenerationRequest) -> Costs:
         if req.sampling.greedy and self.live_costs is not None:
-            costs = self.live_costs  # k cannot change greedy text: cost rounds as they are
+            return self.live_costs  # k cannot change greedy text: cost rounds as they are
+        return self._calibrated_costs()
+
+    def _controller(self, req: GenerationRequest) -> KController:
+        costs = self._costs(req)
         return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
                            pipelined=req.mode == "pipelined", costs=costs)
+
+    def _lookup_controller(self, req: GenerationRequest) -> KController:
+        """Sizes prompt-lookup blocks: free to draft, so only the verify pass and the lookup's
+        own acceptance (learnt per generation) decide how many tokens are worth verifying."""
+        costs = self._costs(req).without_draft()
+        return KController(costs.target_ms, [0.0], costs=costs, k_max=LOOKUP_MAX_TOKENS)
 
     async def generate(self, req: GenerationRequest) -> GenerationResult:
         """Run a generation to the end and return its result."""
@@ -267,6 +276,8 @@ class Orchestrator:
         started = time.perf_counter()
         use_draft = req.mode != "target-only" and self.draft is not None
         k_ctl = self._controller(req) if use_draft else None
+        lookup_ctl = (self._lookup_controller(req)
+                      if req.prompt_lookup and req.mode != "target-only" else None)
         spec_task: asyncio.Task | None = None
         block: _Block | None = None
         try:
@@ -282,8 +293,11 @@ class Orchestrator:
                 no_draft = looked_up = False
                 first_pipelined = (req.mode == "pipelined" and stats.rounds == 0 and k > 0
                                    and await self.draft.available())
-                if block is None and req.prompt_lookup and req.mode != "target-only":
-                    block = _lookup_block(history.tokens, remaining - 1, req.sampling,
+                if block is None and lookup_ctl is not None:
+                    size = min(lookup_ctl.next_k(), remaining - 1)
+                    if size <= 0:
+                        lookup_ctl.observe(0, 0)  # counts towards its next probe
+                    block = _lookup_block(history.tokens, size, req.sampling,
                                           LOOKUP_MIN_NGRAM if k > 0 else LOOKUP_MIN_NGRAM_ALONE)
                     looked_up = block is not None
                 if looked_up:
@@ -337,6 +351,7 @@ class Orchestrator:
                 if looked_up:  # the draft model's acceptance is learnt from its own blocks
                     stats.lookup_drafted += len(block.tokens)
                     stats.lookup_accepted += n_acc
+                    lookup_ctl.observe(len(block.tokens), n_acc)
                 elif k_ctl is not None and block.tokens:
                     k_ctl.observe(len(block.tokens), n_acc)
                 elif k_ctl is not None:

@@ -80,3 +80,23 @@ def test_sampled_requests_keep_the_calibrated_costs():
     sampled = orch._controller(GenerationRequest([1], 8, SamplingParams(temperature=0.8)))
     assert greedy.costs is orch.live_costs and greedy.costs.target_scale > 5
     assert sampled.costs.target_scale == 1.0 and sampled.costs.target_ms == CURVE
+
+
+def test_prompt_lookup_blocks_shrink_when_they_are_rejected_and_grow_when_kept():
+    """Lookup blocks cost no draft call, so only the verify pass and their own acceptance size
+    them: a lookup whose blocks are rejected stops proposing (but for probes)."""
+    free = live().without_draft()
+    assert free.draft_step_ms == 0.0 and free.draft_call_ms == 0.0
+    assert free.verify_ms(4) == live().verify_ms(4)
+    bad = KController(CURVE, [0.0], costs=free, k_max=8)
+    sizes = []
+    for _ in range(40):
+        size = bad.next_k()
+        sizes.append(size)
+        bad.observe(size, 0)
+    assert sizes[0] >= 4 and sizes[-10:].count(0) >= 8
+    good = KController(CURVE, [0.0], costs=free, k_max=8)
+    for _ in range(20):
+        size = good.next_k()
+        good.observe(size, size)
+    assert good.next_k() == 8
