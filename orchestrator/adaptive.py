@@ -53,11 +53,6 @@ class Costs:
     def calibrated(cls, target_ms: list[float], draft_ms: list[float]) -> "Costs":
         return cls(list(target_ms) or [1.0] * (K_MAX + 1), draft_ms[0] if draft_ms else 0.0)
 
-    def without_draft(self) -> "Costs":
-        """These costs for a drafter that costs nothing (prompt lookup): a snapshot."""
-        return Costs(list(self.target_ms), 0.0, self.target_scale, self.target_call_ms, 0.0,
-                     self.target_batch)
-
     def forward_ms(self, tokens: float) -> float:
         """Calibrated T(m) of one target forward over ``tokens`` new tokens."""
         t, n = self.target_ms, len(self.target_ms)
@@ -163,3 +158,35 @@ class KController:
             self.zero_rounds = 0
             k = 2
         return k
+
+
+class LookupSizer:
+    """All or nothing for prompt-lookup blocks: a block of ``size`` tokens when, at the mean
+    number of tokens this generation's lookup blocks had accepted (a decayed average: their
+    acceptance is bimodal, a copied span or a miss at once, so no per-token model), it beats
+    the verify pass of a round without it; else none, but for a probe every PROBE_EVERY
+    rounds. A lookup costs no draft call: only the longer verify pass is weighed."""
+
+    def __init__(self, costs: Costs, size: int, prior_accepted: float = 1.0,
+                 decay: float = 0.8):
+        self.costs = costs
+        self.max_size = size
+        self.mean_accepted = prior_accepted
+        self.decay = decay
+        self.skipped = 0
+
+    def worth_it(self) -> bool:
+        return (1.0 + self.mean_accepted) / self.costs.verify_ms(self.max_size) > \
+            1.0 / self.costs.verify_ms(0)
+
+    def size(self) -> int:
+        if self.worth_it():
+            return self.max_size
+        self.skipped += 1
+        if self.skipped >= PROBE_EVERY:
+            self.skipped = 0
+            return self.max_size
+        return 0
+
+    def observe(self, accepted: int) -> None:
+        self.mean_accepted = self.decay * self.mean_accepted + (1 - self.decay) * accepted

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from orchestrator.adaptive import Costs, KController, LiveCosts
+from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
 from orchestrator.clients import CallRecord, DraftClient, History, ServiceError, TargetClient
 from orchestrator.text import TextStream
 from specdec.config import MAX_K, SamplingParams
@@ -243,11 +243,8 @@ class Orchestrator:
         return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
                            pipelined=req.mode == "pipelined", costs=costs)
 
-    def _lookup_controller(self, req: GenerationRequest) -> KController:
-        """Sizes prompt-lookup blocks: free to draft, so only the verify pass and the lookup's
-        own acceptance (learnt per generation) decide how many tokens are worth verifying."""
-        costs = self._costs(req).without_draft()
-        return KController(costs.target_ms, [0.0], costs=costs, k_max=LOOKUP_MAX_TOKENS)
+    def _lookup_sizer(self, req: GenerationRequest) -> LookupSizer:
+        return LookupSizer(self._costs(req), LOOKUP_MAX_TOKENS)
 
     async def generate(self, req: GenerationRequest) -> GenerationResult:
         """Run a generation to the end and return its result."""
@@ -276,8 +273,8 @@ class Orchestrator:
         started = time.perf_counter()
         use_draft = req.mode != "target-only" and self.draft is not None
         k_ctl = self._controller(req) if use_draft else None
-        lookup_ctl = (self._lookup_controller(req)
-                      if req.prompt_lookup and req.mode != "target-only" else None)
+        lookup = (self._lookup_sizer(req)
+                  if req.prompt_lookup and req.mode != "target-only" else None)
         spec_task: asyncio.Task | None = None
         block: _Block | None = None
         try:
@@ -293,10 +290,8 @@ class Orchestrator:
                 no_draft = looked_up = False
                 first_pipelined = (req.mode == "pipelined" and stats.rounds == 0 and k > 0
                                    and await self.draft.available())
-                if block is None and lookup_ctl is not None:
-                    size = min(lookup_ctl.next_k(), remaining - 1)
-                    if size <= 0:
-                        lookup_ctl.observe(0, 0)  # counts towards its next probe
+                if block is None and lookup is not None:
+                    size = min(lookup.size(), remaining - 1)
                     block = _lookup_block(history.tokens, size, req.sampling,
                                           LOOKUP_MIN_NGRAM if k > 0 else LOOKUP_MIN_NGRAM_ALONE)
                     looked_up = block is not None
@@ -351,7 +346,7 @@ class Orchestrator:
                 if looked_up:  # the draft model's acceptance is learnt from its own blocks
                     stats.lookup_drafted += len(block.tokens)
                     stats.lookup_accepted += n_acc
-                    lookup_ctl.observe(len(block.tokens), n_acc)
+                    lookup.observe(n_acc)
                 elif k_ctl is not None and block.tokens:
                     k_ctl.observe(len(block.tokens), n_acc)
                 elif k_ctl is not None:

@@ -2,7 +2,7 @@
 
 import random
 
-from orchestrator.adaptive import Costs, KController, LiveCosts
+from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
 from orchestrator.clients import CallRecord
 
 # T(m) ms, m = 1..16, as calibrated on a 2-core CPU: flat to m ~ 6, then ~1 ms per token
@@ -82,21 +82,22 @@ def test_sampled_requests_keep_the_calibrated_costs():
     assert sampled.costs.target_scale == 1.0 and sampled.costs.target_ms == CURVE
 
 
-def test_prompt_lookup_blocks_shrink_when_they_are_rejected_and_grow_when_kept():
-    """Lookup blocks cost no draft call, so only the verify pass and their own acceptance size
-    them: a lookup whose blocks are rejected stops proposing (but for probes)."""
-    free = live().without_draft()
-    assert free.draft_step_ms == 0.0 and free.draft_call_ms == 0.0
-    assert free.verify_ms(4) == live().verify_ms(4)
-    bad = KController(CURVE, [0.0], costs=free, k_max=8)
+def test_prompt_lookup_stops_when_its_blocks_are_rejected_and_probes_now_and_then():
+    """Lookup blocks cost no draft call, only a longer verify pass: they are proposed while
+    the tokens they get accepted pay for it, else only as a probe every PROBE_EVERY rounds."""
+    sizer = LookupSizer(live(), 8)
+    assert sizer.size() == 8  # the prior: worth a try
     sizes = []
-    for _ in range(40):
-        size = bad.next_k()
+    for _ in range(48):
+        size = sizer.size()
         sizes.append(size)
-        bad.observe(size, 0)
-    assert sizes[0] >= 4 and sizes[-10:].count(0) >= 8
-    good = KController(CURVE, [0.0], costs=free, k_max=8)
-    for _ in range(20):
-        size = good.next_k()
-        good.observe(size, size)
-    assert good.next_k() == 8
+        if size:
+            sizer.observe(0)
+    assert sizes[-32:].count(8) == 2 and sizes[-32:].count(0) == 30  # probes only
+    for _ in range(10):  # the probes start hitting: a copied span, accepted whole
+        sizer.observe(8)
+    assert sizer.size() == 8
+    # a block that buys one token in six rounds does not pay for 8 more verified tokens
+    costs = live()
+    rare = LookupSizer(costs, 8, prior_accepted=1 / 6)
+    assert (1 + 1 / 6) / costs.verify_ms(8) < 1 / costs.verify_ms(0) and not rare.worth_it()
