@@ -221,6 +221,10 @@ def cmd_generate(args) -> int:
 
     async def run() -> None:
         async with Pair(args) as orch:
+            if args.compare:  # as `specdec bench` does: no system timed on its first pass
+                warm = encode_prompt(orch.tokenizer, "Hello!", args.chat)
+                for mode in (args.mode, "target-only"):
+                    await orch.generate(GenerationRequest(warm, 8, sampling, [], mode, args.k))
             for prompt in prompts:
                 ids = encode_prompt(orch.tokenizer, prompt, args.chat)
                 req = GenerationRequest(ids, args.max_new_tokens, sampling, args.stop,
