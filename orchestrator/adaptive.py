@@ -38,7 +38,7 @@ class Costs:
     A verify pass of a block of k shares the target's forward with the other sessions in its
     batch (``target_batch`` of them, each with about k + 1 tokens), so it costs the calibrated
     T(m) at m = target_batch * (k + 1) tokens (``target_ms[m - 1]``, extended past its end at
-    its mean slope), times ``target_scale`` (what the calls show against the calibration).
+    the slope of its upper half), times ``target_scale`` (what the calls show against the calibration).
     Under load a longer block therefore costs more, and k shrinks, down to 0.
     """
 

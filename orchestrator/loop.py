@@ -217,12 +217,13 @@ class Orchestrator:
         self.max_context = max_context
         # What rounds cost as the calls show it, shared by this orchestrator's generations;
         # None: greedy requests too use the services' start-up calibration.
-        self.live_costs: LiveCosts | None = LiveCosts(**vars(self._calibrated_costs()))
+        self.live_costs: LiveCosts | None = self._calibrated_costs(LiveCosts)
 
-    def _calibrated_costs(self) -> Costs:
+    def _calibrated_costs(self, kind: type[Costs] = Costs) -> Costs:
+        """Costs from the services' start-up calibration (GetInfo.forward_ms)."""
         target_ms = list(self.target.info.forward_ms) if self.target.info else []
         draft_ms = list(self.draft.info.forward_ms) if self.draft and self.draft.info else []
-        return Costs.calibrated(target_ms, draft_ms)
+        return kind.calibrated(target_ms, draft_ms)
 
     def _record(self, stats: "GenerationStats", rec: CallRecord) -> None:
         stats.calls.append(rec)

@@ -216,8 +216,12 @@ async def in_passing_thread(fn: Callable, *args):
     done: asyncio.Future = loop.create_future()
 
     def settle(result=None, exc: BaseException | None = None) -> None:
-        if not done.done():
-            done.set_exception(exc) if exc is not None else done.set_result(result)
+        if done.done():
+            return
+        if exc is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(result)
 
     def run() -> None:
         try:

@@ -11,13 +11,13 @@ import dataclasses
 import itertools
 import logging
 import statistics
-import time
 
 import torch
 
 from specdec.config import ServiceConfig
 from specdec.drafting import DraftWork, NgramDrafter, Proposal, ProposeCall
 from specdec.engine import LlamaEngine
+from specdec.kernels import timed
 from specdec.scheduler import BatchScheduler
 from specdec.session import SessionStore
 from specdec.target import VerifyCall, VerifyResult, VerifyWork
@@ -52,10 +52,9 @@ def calibrate(engine: LlamaEngine, max_tokens: int = 16, context: int = 128, rep
     for rep in range(reps + 1):
         for m in range(1, max_tokens + 1):
             cache.truncate(context)
-            t0 = time.perf_counter()
-            engine.forward([cache], [tokens[context : context + m]], [m])
+            ms = timed(lambda: engine.forward([cache], [tokens[context : context + m]], [m]))
             if rep:  # rep 0 is the warm-up
-                times[m - 1].append((time.perf_counter() - t0) * 1000.0)
+                times[m - 1].append(ms)
     medians = [statistics.median(t) for t in times]
     return list(itertools.accumulate(medians, max))
 
