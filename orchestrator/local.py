@@ -29,6 +29,12 @@ def shared_cores_env() -> dict:
     return {k: v for k, v in SHARED_CORES_ENV.items() if k not in os.environ}
 
 
+class ServiceRefused(ValueError):
+    """A local service refused its model (or could not find it): the reason, in one line.
+
+    A ValueError, so that ``specdec generate`` / ``serve`` print it as their one-line error."""
+
+
 class ServiceProcess:
     """One service in a child process; stopped by its process id (never by name)."""
 
@@ -61,11 +67,21 @@ class ServiceProcess:
                 self.port = int(pathlib.Path(self.port_file).read_text())
                 return self.port
             if self.proc.poll() is not None:
+                reason = self.refusal()
+                if reason is not None:
+                    raise ServiceRefused(reason)
                 raise RuntimeError(
                     f"{self.role} service exited with {self.proc.returncode}:\n{self.tail()}"
                 )
             time.sleep(0.05)
         raise TimeoutError(f"{self.role} service did not start in {timeout_s}s:\n{self.tail()}")
+
+    def refusal(self) -> str | None:
+        """The one-line reason a service gave for refusing to start (specdec.rpc), if any."""
+        from specdec.rpc import LOAD_ERROR_PREFIX
+
+        lines = [ln for ln in self.tail(5).splitlines() if ln.startswith(LOAD_ERROR_PREFIX)]
+        return lines[-1][len(LOAD_ERROR_PREFIX):] if lines else None
 
     def tail(self, n: int = 30) -> str:
         try:

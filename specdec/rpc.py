@@ -235,6 +235,12 @@ async def in_passing_thread(fn: Callable, *args):
     return await done
 
 
+# What a service refuses to start with, said in one line (no traceback): a model specdec cannot
+# run exactly (ValueError, from ArchConfig.from_hf), a missing model or file (OSError).
+LOAD_REFUSALS = (ValueError, OSError)
+LOAD_ERROR_PREFIX = "error: "
+
+
 class ServiceHost:
     """Runs one model service: binds first, loads the model in the background, then SERVING.
 
@@ -270,7 +276,10 @@ class ServiceHost:
             self.runtime = await in_passing_thread(self.build_runtime, self.config)
         except BaseException as exc:
             self._load_error = exc
-            log.exception("loading %s failed", self.config.model)
+            if isinstance(exc, LOAD_REFUSALS):  # a model refused or missing: its reason suffices
+                log.error("loading %s failed: %s", self.config.model, exc)
+            else:
+                log.exception("loading %s failed", self.config.model)
             raise
         await self.health.set(True)
         log.info("%s ready: %s (forward ms by tokens: %s)", self.config.role,
@@ -288,7 +297,17 @@ class ServiceHost:
             self.runtime.stop()
 
     async def serve_forever(self, port_file: str | None = None) -> None:
-        await self.start(port_file)
+        try:
+            await self.start(port_file)
+        except BaseException as exc:
+            await self.server.stop(0)  # not left to the closed loop's garbage collection
+            if isinstance(exc, LOAD_REFUSALS):
+                # One line, which orchestrator.local reports as the service's reason.
+                what = (f"cannot load {self.config.model!r}" if exc is self._load_error
+                        else "failed to start")  # e.g. its port is taken
+                raise SystemExit(f"{LOAD_ERROR_PREFIX}{self.config.role} service {what}: "
+                                 f"{exc}") from None
+            raise
         try:
             await self.server.wait_for_termination()
         finally:
