@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specdec.engine import ArchConfig, LlamaEngine
+from specdec.engine import ArchConfig, LlamaEngine, rope_inv_freq
 
 FORMAT = "specdec-draft/1"
 META_FILE = "draft.json"
@@ -145,6 +145,10 @@ class DraftModule(nn.Module):
 
     def __init__(self, arch: ArchConfig, embed: torch.Tensor, vocab_map: torch.Tensor):
         super().__init__()
+        beyond = [f for f in arch.features() if f != "rope_scaling"]
+        if beyond:  # this module trains a plain Llama block (any RoPE the engine runs)
+            raise ValueError(f"specdec's trainable draft is a Llama block; a {arch.model_type} "
+                             f"target also has {', '.join(beyond)}, which it does not model")
         self.arch = arch
         self.register_buffer("embed", embed, persistent=False)  # frozen, the target's
         self.register_buffer("vocab_map", vocab_map.long())
@@ -164,7 +168,7 @@ class DraftModule(nn.Module):
         for name, prm in self.params.items():
             if prm.dim() == 2:
                 nn.init.normal_(prm, std=0.02)
-        inv_freq = 1.0 / (a.rope_theta ** (torch.arange(0, a.head_dim, 2).float() / a.head_dim))
+        inv_freq = rope_inv_freq(a.rope_theta, a.rope_scaling, a.head_dim, a.max_context)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def load_canonical(self, weights: dict[str, torch.Tensor]) -> None:

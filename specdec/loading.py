@@ -29,10 +29,19 @@ def load_engine(spec: str, device: torch.device, kernels: str = "auto"):
 
     if draft_model.is_draft_dir(spec):
         return draft_model.load_engine(spec, device, kernels)
+    check_architecture(spec)  # refuse before reading any weights
     model, tokenizer = load_hf_model(spec)
     arch = ArchConfig.from_hf(model.config)
     engine = LlamaEngine(arch, canonical_weights(model.state_dict(), arch), device, kernels)
     return engine, tokenizer, model.config
+
+
+def check_architecture(spec: str) -> ArchConfig:
+    """The engine's architecture for a Hugging Face / GGUF / default model spec, from its
+    config.json alone; ValueError naming what specdec cannot run exactly (never approximately)."""
+    from transformers import AutoConfig
+
+    return ArchConfig.from_hf(AutoConfig.from_pretrained(resolve_model_dir(spec)))
 
 
 def build_target(config: ServiceConfig) -> TargetRuntime:
