@@ -44,6 +44,11 @@ def register(sub) -> None:
     v.add_argument("--out", default="bench/out")
     v.set_defaults(func=cmd_bench_verify)
 
+    from bench import exactness
+
+    exactness.register(sub)
+    exactness.register_divergence(sub)
+
 
 def _all_systems():
     from bench.harness import ALL_SYSTEMS

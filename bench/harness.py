@@ -130,8 +130,10 @@ class SpecdecSystems:
     def target_forward_ms(self) -> list[float]:
         return list(self.orchestrators["target"].target.info.forward_ms)
 
-    def run(self, system: str, prompt_ids: list[int], max_new: int, k: int | None) -> Run:
+    def run(self, system: str, prompt_ids: list[int], max_new: int, k: int | None,
+            sampling=None) -> Run:
         from orchestrator.loop import GenerationRequest
+        from specdec.config import SamplingParams
 
         orch, mode = {
             "specdec-target-only": ("target", "target-only"),
@@ -139,7 +141,7 @@ class SpecdecSystems:
             "specdec-pipelined": ("draft", "pipelined"),
             "specdec-ngram": ("ngram", "pipelined"),
         }[system]
-        req = GenerationRequest(prompt_ids, max_new, mode=mode, k=k)
+        req = GenerationRequest(prompt_ids, max_new, sampling or SamplingParams(), mode=mode, k=k)
         result = self.loop.run_until_complete(self.orchestrators[orch].generate(req))
         s = result.stats
         split = s.time_split()

@@ -35,7 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from orchestrator.clients import ServiceError
 from orchestrator.loop import MODES, GenerationRequest
 from orchestrator.metrics import CONTENT_TYPE, Metrics
-from specdec.config import SamplingParams
+from specdec.config import DEFAULT_RULE, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class ServeDefaults:
     temperature: float = 0.0  # greedy unless the request asks otherwise
     top_p: float = 1.0
     top_k: int = 0
+    rule: str = DEFAULT_RULE  # acceptance rule of sampled requests (SamplingParams.rule)
     mode: str = "pipelined"
     k: int | None = None  # None = adaptive
     stop: list[str] = dataclasses.field(default_factory=list)
@@ -60,7 +61,7 @@ class ServeDefaults:
 
     def __post_init__(self) -> None:
         # Refuse bad defaults once, at start, rather than on every request.
-        sampling = SamplingParams(self.temperature, self.top_k, self.top_p)
+        sampling = SamplingParams(self.temperature, self.top_k, self.top_p, rule=self.rule)
         GenerationRequest([0], self.max_tokens, sampling, self.stop, self.mode, self.k)
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
@@ -128,6 +129,7 @@ class _GenerationBody(_Body):
     # specdec's own extras: how to speculate for this request
     specdec_mode: str | None = None
     specdec_k: int | None = None
+    specdec_rule: str | None = None  # coupled | rejection (see SamplingParams.rule)
 
 
 class CompletionBody(_GenerationBody):
@@ -454,10 +456,12 @@ class _Front:
             top_k = 0
         seed = request_seed(body.seed)
         try:
-            sampling = SamplingParams(temperature, top_k, top_p, seed)
+            sampling = SamplingParams(temperature, top_k, top_p, seed,
+                                      body.specdec_rule or d.rule)
         except ValueError as exc:  # its messages start with the field's name
-            raise _invalid(str(exc), next((p for p in ("temperature", "top_k", "top_p", "seed")
-                                           if str(exc).startswith(p)), None))
+            field = next((p for p in ("temperature", "top_k", "top_p", "seed", "rule")
+                          if str(exc).startswith(p)), None)
+            raise _invalid(str(exc), "specdec_rule" if field == "rule" else field)
         stop = d.stop if body.stop is None else [body.stop] if isinstance(body.stop, str) \
             else body.stop
         mode = body.specdec_mode or d.mode

@@ -139,6 +139,7 @@ class Options(TypedDict, total=False):
     stop: str | list[str]
     mode: str  # specdec_mode: pipelined | spec | target-only
     k: int  # specdec_k: draft tokens per round (default adaptive)
+    rule: str  # specdec_rule: acceptance rule when sampling: coupled | rejection
     extra: dict  # more body fields, sent as they are
 
 
@@ -149,11 +150,11 @@ def _messages(messages) -> list[dict]:
 
 
 def _body(model: str, stream: bool, max_tokens, temperature, top_p, seed, stop, mode, k,
-          extra) -> dict:
+          rule, extra) -> dict:
     body: dict[str, Any] = {"model": model, "stream": stream}
     for key, value in (("max_tokens", max_tokens), ("temperature", temperature),
                        ("top_p", top_p), ("seed", seed), ("stop", stop),
-                       ("specdec_mode", mode), ("specdec_k", k)):
+                       ("specdec_mode", mode), ("specdec_k", k), ("specdec_rule", rule)):
         if value is not None:
             body[key] = value
     if stream:

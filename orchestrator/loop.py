@@ -8,9 +8,10 @@
   i+1 goes on at once; otherwise the in-flight draft call is cancelled, the draft rolls back to
   the committed tokens (its next call's prefix says so) and drafts from the target's token.
 
-Every mode emits exactly the target's tokens: greedy output is identical to target-only, and
-sampling has the target's distribution (the acceptance rule lives in specdec.acceptance, on the
-target service).
+Every mode emits exactly the target's tokens: greedy output, and sampled output under the
+coupled rule, are identical to target-only's for the same seed; under the rejection rule
+sampling has the target's distribution (the rules live in specdec.acceptance, on the target
+service).
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ class Delta:
 
 
 class _Block:
-    """A drafted block: tokens and their q's (sparse, sampling only)."""
+    """A drafted block: tokens and their q's (sparse, rejection rule only)."""
 
     def __init__(self, tokens: list[int], dists: list):
         self.tokens = tokens
@@ -202,7 +203,7 @@ def _lookup_block(history: list[int], room: int, sampling: SamplingParams,
     tokens = lookup(history, min(LOOKUP_MAX_TOKENS, room), LOOKUP_MAX_NGRAM, min_ngram)
     if not tokens:
         return None
-    return _Block(tokens, [] if sampling.greedy else [([t], [1.0]) for t in tokens])
+    return _Block(tokens, [] if sampling.drafter_invariant else [([t], [1.0]) for t in tokens])
 
 
 class Orchestrator:
@@ -235,8 +236,8 @@ class Orchestrator:
         return {"target": self.target, **({"draft": self.draft} if self.draft else {})}
 
     def _costs(self, req: GenerationRequest) -> Costs:
-        if req.sampling.greedy and self.live_costs is not None:
-            return self.live_costs  # k cannot change greedy text: cost rounds as they are
+        if req.sampling.drafter_invariant and self.live_costs is not None:
+            return self.live_costs  # k cannot change the text: cost rounds as they are
         return self._calibrated_costs()
 
     def _controller(self, req: GenerationRequest) -> KController:

@@ -30,7 +30,7 @@ import pydantic
 import ray
 from ray import serve
 
-from specdec.config import ServiceConfig
+from specdec.config import DEFAULT_RULE, ServiceConfig
 
 log = logging.getLogger(__name__)
 
@@ -441,6 +441,7 @@ class GenerateBody(pydantic.BaseModel):
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None  # None: a fresh seed, as on the OpenAI routes
+    rule: str = DEFAULT_RULE  # acceptance rule of sampled decoding: coupled | rejection
     stop: list[str] = []
     session: str | None = None  # routing key: equal keys go to one pair under ``hash`` routing
 
@@ -469,7 +470,7 @@ def native_routes(router, api_key: str | None) -> fastapi.APIRouter:
             req = GenerationRequest(
                 ids, body.max_new_tokens,
                 SamplingParams(body.temperature, body.top_k, body.top_p,
-                               request_seed(body.seed)),
+                               request_seed(body.seed), body.rule),
                 body.stop, body.mode, body.k)
             result, i = await router.generate_on_pair(req, body.session)
         except ValueError as exc:

@@ -53,7 +53,8 @@ def cmd_serve(args) -> int:
     resolve_auto(args)
     try:
         defaults = ServeDefaults(max_tokens=args.max_new_tokens, temperature=args.temperature,
-                                 top_p=args.top_p, top_k=args.top_k, mode=args.mode, k=args.k,
+                                 top_p=args.top_p, top_k=args.top_k, rule=args.rule,
+                                 mode=args.mode, k=args.k,
                                  stop=list(args.stop), max_body_bytes=args.max_body_bytes,
                                  prompt_lookup=args.prompt_lookup)
     except ValueError as exc:

@@ -6,10 +6,24 @@ the residual distribution, or its argmax under greedy); when all k are accepted 
 *bonus* token. Either way exactly one token of the target's own follows the accepted ones, so
 every round emits num_accepted + 1 tokens.
 
-Sampling follows Leviathan et al. 2023 / Chen et al. 2023: accept draft token x_i with
-probability min(1, target_probs[i, x_i] / draft_probs[i, x_i]); on the first rejection sample
-from norm(max(0, target_probs[i] - draft_probs[i])); after k acceptances sample the bonus from
-target_probs[k]. The emitted tokens are then distributed exactly as the target's own samples.
+Three rules, one per way of choosing the target's token:
+
+- **greedy**: the target's token at each position is its argmax; accept the longest prefix of
+  draft tokens equal to those.
+- **coupled** (sampling; drafter-invariant coupling, Daliri, Musco and Suresh 2024): at position n
+  both models use the same Exponential(1) noise E_n[t] drawn from (seed, n, t)
+  (specdec.sampling.coupling_noise). The target's token is argmax_t p_n[t] / E_n[t], which is an
+  exact sample of p_n (the exponential race, i.e. the Gumbel-max trick); the draft proposes
+  argmax_t q_n[t] / E_n[t]. Accept the longest prefix of draft tokens equal to the target's
+  tokens. The text is a function of the seed and the target alone: no k, mode, batch or draft
+  can change it. Per-token acceptance P(same) >= (1 - TV(p, q)) / (1 + TV(p, q)).
+- **rejection** (sampling; Leviathan et al. 2023, Chen et al. 2023): accept draft token x_i with
+  probability min(1, target_probs[i, x_i] / draft_probs[i, x_i]); on the first rejection sample
+  from norm(max(0, target_probs[i] - draft_probs[i])); after k acceptances sample the bonus
+  from target_probs[k]. Per-token acceptance 1 - TV(p, q), the most any rule that sees only
+  one draft token can reach; but which token comes out depends on q, so on the draft and on k.
+
+Every rule emits tokens distributed exactly as the target's own (greedy: the same tokens).
 """
 
 from __future__ import annotations
@@ -18,26 +32,44 @@ from typing import Sequence
 
 import torch
 
-from specdec.sampling import PositionRandom
+from specdec.sampling import PositionRandom, coupled_choice
+
+
+def verify_walk(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> tuple[int, int]:
+    """Longest prefix of the k draft tokens equal to the target's own k + 1 tokens, then the
+    target's token after it. Returns (num_accepted, next_token)."""
+    k = len(draft_tokens)
+    assert len(target_tokens) == k + 1, (len(target_tokens), k)
+    num_accepted = next((i for i in range(k) if draft_tokens[i] != target_tokens[i]), k)
+    return num_accepted, int(target_tokens[num_accepted])
 
 
 def verify_greedy(
     draft_tokens: torch.Tensor,  # [k] int
     target_logits: torch.Tensor,  # [k + 1, vocab]
 ) -> tuple[int, int]:
-    """Longest prefix where the draft token equals the target's argmax, then the target's token.
-
-    Returns (num_accepted, next_token).
-    """
-    k = draft_tokens.shape[0]
-    assert target_logits.shape[0] == k + 1, (target_logits.shape, k)
-    target_tokens = target_logits.argmax(-1)  # [k + 1]
-    mismatch = (draft_tokens.to(target_tokens.device) != target_tokens[:k]).nonzero()
-    num_accepted = int(mismatch[0, 0]) if mismatch.numel() else k
-    return num_accepted, int(target_tokens[num_accepted])
+    """The walk along the target's argmax tokens. Returns (num_accepted, next_token)."""
+    return verify_walk(draft_tokens.tolist(), target_logits.argmax(-1).tolist())
 
 
-def verify_sampling(
+def verify_coupled(
+    draft_tokens: torch.Tensor,  # [k] int
+    target_probs: torch.Tensor,  # [k + 1, vocab], after the request's logits processing
+    seed: int,
+    first_position: int,  # the position of the first draft token
+) -> tuple[int, int]:
+    """The walk along the target's coupled samples. Returns (num_accepted, next_token)."""
+    drafts = draft_tokens.tolist()
+    k = len(drafts)
+    assert target_probs.shape[0] == k + 1, (target_probs.shape, k)
+    for i in range(k + 1):  # rows after the first mismatch are not needed
+        token = coupled_choice(target_probs[i], seed, first_position + i)
+        if i == k or drafts[i] != token:
+            return i, token
+    raise AssertionError("unreachable")
+
+
+def verify_rejection(
     draft_tokens: torch.Tensor,  # [k] int
     draft_probs: torch.Tensor,  # [k, vocab], the distributions the draft sampled from
     target_probs: torch.Tensor,  # [k + 1, vocab], after the request's logits processing

@@ -13,6 +13,11 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 # The wire carries temperature as a float32 and top_k as an int32.
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
+# Acceptance rules of sampled decoding (see specdec.acceptance), by their AcceptanceRule
+# numbers on the wire (0, unspecified, is read as the default).
+RULE_NUMBERS = {"coupled": 1, "rejection": 2}
+RULES = tuple(RULE_NUMBERS)
+DEFAULT_RULE = "coupled"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +28,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k limit
     top_p: float = 1.0  # nucleus mass, in (0, 1]
     seed: int = 0
+    rule: str = DEFAULT_RULE  # "coupled" | "rejection" (sampling only; see specdec.acceptance)
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= _FLOAT32_MAX):  # also refuses NaN
@@ -34,26 +40,47 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.seed < 2**64):
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.rule not in RULES:
+            raise ValueError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
 
+    @property
+    def drafter_invariant(self) -> bool:
+        """Each position's token is a function of the target's logits and (seed, position)
+        only (greedy, or the coupled rule): a round is a walk along the target's own tokens,
+        no draft distribution is needed, and no k or draft can change the text."""
+        return self.greedy or self.rule == "coupled"
+
+    def replace(self, **changes) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)
+
     @classmethod
     def from_wire(cls, msg) -> "SamplingParams":
         """Build from a ``specdec.v1.SamplingParams`` message (top_p 0, proto3's "unset", is
-        read as 1; a negative or NaN top_p is refused like any other)."""
+        read as 1; a negative or NaN top_p is refused like any other; rule UNSPECIFIED is the
+        default rule)."""
+        rule_value = int(msg.rule)
+        if rule_value not in _RULE_OF_WIRE:
+            raise ValueError(f"unknown acceptance rule {rule_value}")
         return cls(
             temperature=float(msg.temperature),
             top_k=int(msg.top_k),
             top_p=float(msg.top_p) if msg.top_p != 0 else 1.0,
             seed=int(msg.seed),
+            rule=_RULE_OF_WIRE[rule_value],
         )
 
     def to_wire(self, pb):
         return pb.SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+            rule=RULE_NUMBERS[self.rule],
         )
+
+
+_RULE_OF_WIRE = {0: DEFAULT_RULE, **{n: r for r, n in RULE_NUMBERS.items()}}
 
 
 def _env_int(name: str, default: int) -> int:

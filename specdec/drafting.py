@@ -13,7 +13,7 @@ import torch
 
 from specdec.config import MAX_K, SamplingParams
 from specdec.engine import LlamaEngine
-from specdec.sampling import position_generator, process_logits, sample
+from specdec.sampling import coupled_choice, position_generator, process_logits, sample
 from specdec.scheduler import Piece
 from specdec.session import SessionStore, resolve
 
@@ -54,16 +54,18 @@ class ProposeCall:
 @dataclasses.dataclass
 class Proposal:
     tokens: list[int]
-    dists: list[tuple[list[int], list[float]]]  # sparse q per token; [] for greedy
+    dists: list[tuple[list[int], list[float]]]  # sparse q per token (rejection rule) or []
     cache_len: int
 
 
 class DraftWork:
     """One propose call as scheduler work: prefill chunks, then one pass per drafted token.
 
-    For sampling the draft samples from its processed distribution truncated to its
-    ``q_top_k`` most likely tokens and sends exactly that distribution as q: the acceptance rule
-    stays exact because q is what the token was drawn from, and the message stays small.
+    Sampled tokens come from the draft's processed distribution truncated to its ``q_top_k``
+    most likely tokens. Under the rejection rule that truncated distribution is sent as q (the
+    rule stays exact because q is what the token was drawn from, and the message stays small);
+    under the coupled rule the token is the exponential race over those tokens with the shared
+    noise, and nothing else is sent (any proposal is exact under that rule).
     """
 
     def __init__(
@@ -123,8 +125,14 @@ class DraftWork:
         else:
             self.session.append(self.drafted[-1:])  # the drafted token just fed
         position = self.call.prefix_len + len(self.call.tokens) + len(self.drafted)
-        if self.call.sampling.greedy:
+        sampling = self.call.sampling
+        if sampling.greedy:
             out_id = int(logits[-1].argmax())
+        elif sampling.rule == "coupled":
+            probs = process_logits(logits[-1], self._q_params)  # [vocab_out]
+            vocab_map = self.engine.vocab_map  # the target id of each output index, if reduced
+            out_id = coupled_choice(probs, sampling.seed, position,
+                                    None if vocab_map is None else vocab_map.cpu().numpy())
         else:
             probs = process_logits(logits[-1], self._q_params)  # [vocab_out]
             out_id = sample(probs, position_generator(self.call.sampling.seed, position, "draft"))
@@ -175,7 +183,7 @@ class NgramDrafter:
         session.tokens_in += len(call.tokens)
         session.proposed += len(drafted)
         # The proposal is deterministic: q puts all its mass on the proposed token.
-        dists = [] if call.sampling.greedy else [([t], [1.0]) for t in drafted]
+        dists = [] if call.sampling.drafter_invariant else [([t], [1.0]) for t in drafted]
         return Proposal(drafted, dists, len(session))
 
 

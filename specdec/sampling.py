@@ -1,4 +1,5 @@
-"""Logits processing (temperature, top-k, top-p) and per-position random streams."""
+"""Logits processing (temperature, top-k, top-p), per-position random streams, and the shared
+noise of the coupled acceptance rule."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logits.softmax(-1)
 
 
-_DOMAINS = {"draft": 1, "target": 2}
+_DOMAINS = {"draft": 1, "target": 2, "coupling": 3}
 
 
 class PositionRandom:
@@ -70,6 +71,54 @@ def position_generator(seed: int, position: int, domain: str) -> PositionRandom:
     independent, which the acceptance rule requires.
     """
     return PositionRandom(seed, position, domain)
+
+
+def _fmix32(h: np.ndarray) -> np.ndarray:
+    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche), in place."""
+    h ^= h >> np.uint32(16)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    h *= np.uint32(0xC2B2AE35)
+    h ^= h >> np.uint32(16)
+    return h
+
+
+def coupling_noise(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
+    """Exponential(1) noise E[t] for each token id t at (seed, position): float64, [len(ids)].
+
+    Counter-based: E[t] is a keyed hash of t (two rounds of MurmurHash3's finalizer under a
+    64-bit key drawn from a SeedSequence of (seed, position)), so any subset of the vocabulary
+    costs only its size, and the draft (over its few likeliest tokens, in its own reduced
+    vocabulary mapped to target ids) and the target (over its whole support) see the same
+    E[t] for the same t.
+    """
+    k1, k2 = np.random.SeedSequence(
+        [int(seed), int(position), _DOMAINS["coupling"]]).generate_state(2, np.uint32)
+    with np.errstate(over="ignore"):
+        h = np.asarray(token_ids).astype(np.uint32) * np.uint32(0x9E3779B9)
+        h ^= k1
+        h = _fmix32(h)
+        h ^= k2
+        h = _fmix32(h)
+    # U in (0, 1) (never 0 or 1), E = -log U
+    return -np.log((h.astype(np.float64) + 0.5) * (1.0 / 2**32))
+
+
+def coupled_choice(probs: torch.Tensor, seed: int, position: int,
+                   token_ids: np.ndarray | None = None) -> int:
+    """The index i maximizing probs[i] / E[token_ids[i]] (the exponential race; the same as
+    argmax of log probs + Gumbel noise): a sample of probs, and the token the coupled rule
+    emits or proposes at this position.
+
+    probs: [n] on any device; token_ids: the target-vocabulary id of each index (default: the
+    index itself).
+    """
+    p = probs.detach().cpu().numpy().astype(np.float64)  # numpy: no torch thread pool
+    support = np.flatnonzero(p > 0)
+    assert support.size, "cannot sample from an all-zero distribution"
+    ids = support if token_ids is None else np.asarray(token_ids)[support]
+    race = p[support] / coupling_noise(seed, position, ids)
+    return int(support[int(np.argmax(race))])
 
 
 def sample(probs: torch.Tensor, generator: PositionRandom) -> int:

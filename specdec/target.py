@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from specdec.acceptance import verify_greedy, verify_sampling
+from specdec.acceptance import verify_coupled, verify_greedy, verify_rejection
 from specdec.config import MAX_K, SamplingParams
 from specdec.engine import LlamaEngine
 from specdec.sampling import from_sparse, position_generator, process_logits
@@ -23,7 +23,7 @@ class VerifyCall:
     prefix_hash: int
     tokens: list[int]  # committed tokens to append; the last one precedes the block
     draft_tokens: list[int]  # [k]
-    draft_dists: list[tuple[list[int], list[float]]]  # k sparse q's (sampling) or []
+    draft_dists: list[tuple[list[int], list[float]]]  # k sparse q's (rejection rule) or []
     sampling: SamplingParams
     request_id: str = ""
 
@@ -40,10 +40,10 @@ class VerifyCall:
         _check_ids(tokens, vocab_size, "tokens")
         _check_ids(drafts, vocab_size, "draft_tokens")
         dists: list[tuple[list[int], list[float]]] = []
-        if not sampling.greedy:
+        if not sampling.drafter_invariant:
             if len(req.draft_dists) != len(drafts):
                 raise ValueError(
-                    f"sampling needs one draft distribution per draft token: "
+                    f"the rejection rule needs one draft distribution per draft token: "
                     f"{len(drafts)} tokens, {len(req.draft_dists)} draft_dists"
                 )
             for i, d in enumerate(req.draft_dists):
@@ -133,8 +133,12 @@ class VerifyWork:
         k = len(c.draft_tokens)
         logits = self.engine.full_vocab_logits(logits, self.vocab_size)  # [k + 1, vocab]
         drafts = torch.tensor(c.draft_tokens, dtype=torch.long)
+        first = c.prefix_len + len(c.tokens)  # position of the first draft token
         if c.sampling.greedy:
             num_accepted, next_token = verify_greedy(drafts, logits)
+        elif c.sampling.rule == "coupled":
+            target_probs = process_logits(logits, c.sampling)  # [k + 1, vocab]
+            num_accepted, next_token = verify_coupled(drafts, target_probs, c.sampling.seed, first)
         else:
             target_probs = process_logits(logits, c.sampling)  # [k + 1, vocab]
             draft_probs = (
@@ -142,9 +146,8 @@ class VerifyWork:
                 if k
                 else torch.zeros(0, self.vocab_size)
             )  # [k, vocab]
-            first = c.prefix_len + len(c.tokens)  # position of the first draft token
             gens = [position_generator(c.sampling.seed, first + i, "target") for i in range(k + 1)]
-            num_accepted, next_token = verify_sampling(drafts, draft_probs, target_probs, gens)
+            num_accepted, next_token = verify_rejection(drafts, draft_probs, target_probs, gens)
         kept = c.tokens + c.draft_tokens[:num_accepted]
         self.session.append(kept)
         self.session.calls += 1

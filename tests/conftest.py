@@ -83,7 +83,8 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 class ServiceThread:
     """A real gRPC service (draft or target) on 127.0.0.1, in its own thread and event loop."""
 
-    def __init__(self, role: str, model: str, target: str = "default", **config):
+    def __init__(self, role: str, model: str, target: str = "default", q_top_k: int = 64,
+                 **config):
         from specdec.config import ServiceConfig
 
         config.setdefault("calibrate", False)
@@ -91,6 +92,7 @@ class ServiceThread:
         self.config = ServiceConfig(model=model, role=role, **config)
         self.role = role
         self.target = target
+        self.q_top_k = q_top_k
         self.loop = asyncio.new_event_loop()
         self.host = None
         self._ready = threading.Event()
@@ -116,7 +118,7 @@ class ServiceThread:
             else:
                 from draft_service.server import make_host
 
-                self.host = make_host(self.config, target=self.target)
+                self.host = make_host(self.config, target=self.target, q_top_k=self.q_top_k)
             await self.host.start()
         except BaseException as exc:
             self._error = exc

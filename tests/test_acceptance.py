@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from specdec.acceptance import verify_greedy, verify_sampling
+from specdec.acceptance import verify_greedy, verify_rejection
+from specdec.config import SamplingParams
 from specdec.sampling import position_generator
 
 BIG = 50.0
@@ -54,19 +55,19 @@ def probs_onehot(tokens, vocab=8):
 
 def test_sampling_all_accepted_plus_bonus():
     draft = torch.tensor([3, 1])
-    n, nxt = verify_sampling(draft, probs_onehot([3, 1]), probs_onehot([3, 1, 6]), gens(3))
+    n, nxt = verify_rejection(draft, probs_onehot([3, 1]), probs_onehot([3, 1, 6]), gens(3))
     assert (n, nxt) == (2, 6)
 
 
 def test_sampling_first_token_rejected_takes_residual():
     # The target gives the draft's token zero mass: certain rejection; residual is all on 5.
     draft = torch.tensor([3, 1])
-    n, nxt = verify_sampling(draft, probs_onehot([3, 1]), probs_onehot([5, 1, 6]), gens(3))
+    n, nxt = verify_rejection(draft, probs_onehot([3, 1]), probs_onehot([5, 1, 6]), gens(3))
     assert (n, nxt) == (0, 5)
 
 
 def test_sampling_empty_block_samples_from_target():
-    n, nxt = verify_sampling(torch.tensor([], dtype=torch.long), torch.zeros(0, 8),
+    n, nxt = verify_rejection(torch.tensor([], dtype=torch.long), torch.zeros(0, 8),
                              probs_onehot([4]), gens(1))
     assert (n, nxt) == (0, 4)
 
@@ -74,7 +75,7 @@ def test_sampling_empty_block_samples_from_target():
 def test_sampling_zero_draft_probability_is_rejected_not_divided():
     # A broken draft claims q(x) = 0 for its own token: reject, never divide by zero.
     target = torch.full((2, 8), 1 / 8)
-    n, nxt = verify_sampling(torch.tensor([2]), torch.zeros(1, 8), target, gens(2))
+    n, nxt = verify_rejection(torch.tensor([2]), torch.zeros(1, 8), target, gens(2))
     assert n == 0 and 0 <= nxt < 8
 
 
@@ -83,8 +84,8 @@ def test_sampling_is_seeded():
     target = torch.rand(4, 8).softmax(-1)
     draft_probs = torch.rand(3, 8).softmax(-1)
     draft = torch.tensor([1, 2, 3])
-    a = verify_sampling(draft, draft_probs, target, gens(4, seed=7))
-    b = verify_sampling(draft, draft_probs, target, gens(4, seed=7))
+    a = verify_rejection(draft, draft_probs, target, gens(4, seed=7))
+    b = verify_rejection(draft, draft_probs, target, gens(4, seed=7))
     assert a == b
 
 
@@ -98,7 +99,7 @@ def emitted_first_token_distribution(target_p, draft_q, n_samples, seed):
     for s in range(n_samples):
         x = int(torch.multinomial(draft_q, 1, generator=g))
         target = torch.stack([target_p, target_p])  # [k + 1, vocab]
-        n, nxt = verify_sampling(torch.tensor([x]), draft_q[None], target,
+        n, nxt = verify_rejection(torch.tensor([x]), draft_q[None], target,
                                  [position_generator(seed, 2 * s + i, "target") for i in range(2)])
         counts[x if n == 1 else nxt] += 1
     return counts / n_samples
@@ -157,3 +158,39 @@ def test_categorical_draws_follow_the_probabilities_and_never_pick_zero_mass():
         counts[position_generator(11, pos, "draft").categorical(probs)] += 1
     assert counts[2] == 0 and counts[4] == 0
     assert (counts / n - probs).abs().max() < 0.015  # ~4 standard deviations at n = 20,000
+
+
+def test_acceptance_rule_travels_on_the_wire_and_unspecified_is_the_default():
+    from specdec.config import DEFAULT_RULE, RULES
+    from specdec.wire import specdec_pb2 as pb
+
+    for rule in RULES:
+        params = SamplingParams(temperature=0.5, seed=3, rule=rule)
+        assert SamplingParams.from_wire(params.to_wire(pb)).rule == rule
+    assert SamplingParams.from_wire(pb.SamplingParams(temperature=1.0)).rule == DEFAULT_RULE
+    assert DEFAULT_RULE == "coupled"
+    with pytest.raises(ValueError, match="rule"):
+        SamplingParams.from_wire(pb.SamplingParams(temperature=1.0, rule=7))
+    with pytest.raises(ValueError, match="rule must be one of"):
+        SamplingParams(temperature=1.0, rule="typical")
+    assert SamplingParams(temperature=1.0).drafter_invariant
+    assert SamplingParams(rule="rejection").drafter_invariant  # greedy: any rule
+    assert not SamplingParams(temperature=1.0, rule="rejection").drafter_invariant
+
+
+def test_coupling_noise_is_per_id_and_exponential():
+    """E[t] depends on (seed, position, t) only: any subset of ids sees the same values, so a
+    draft over its few likeliest tokens and a target over its whole support agree."""
+    import numpy as np
+
+    from specdec.sampling import coupling_noise
+
+    ids = np.arange(5000)
+    full = coupling_noise(9, 40, ids)
+    subset = np.array([4999, 7, 123, 7])
+    assert np.array_equal(coupling_noise(9, 40, subset), full[subset])
+    assert not np.allclose(coupling_noise(9, 41, ids), full)
+    assert not np.allclose(coupling_noise(10, 40, ids), full)
+    # Exponential(1): mean 1, variance 1, P(E > 1) = 1/e
+    assert abs(full.mean() - 1) < 0.05 and abs(full.var() - 1) < 0.1
+    assert abs((full > 1).mean() - np.exp(-1)) < 0.03

@@ -203,6 +203,18 @@ def test_sampling_options_pass_through(api, tiny_models, tok):
     assert a.choices[0].message.content == b.choices[0].message.content
     texts = {ask(temperature=1.0, seed=s).choices[0].message.content for s in (1, 2, 3)}
     assert len(texts) > 1
+    # the coupled rule (default): the same seed gives the same text at any k and mode
+    coupled = {client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=20, temperature=1.0, seed=11,
+        extra_body=extra).choices[0].message.content
+        for extra in ({"specdec_k": 1}, {"specdec_k": 5}, {"specdec_mode": "target-only"},
+                      {"specdec_rule": "coupled", "specdec_mode": "spec"})}
+    assert len(coupled) == 1, coupled
+    rejection = {client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=20, temperature=1.0, seed=s,
+        extra_body={"specdec_rule": "rejection", "specdec_k": 3}).choices[0].message.content
+        for s in (1, 2, 3)}
+    assert len(rejection) > 1
     # a stop string cuts the greedy text before it
     full = ask(temperature=0).choices[0].message.content
     stop = full[len(full) // 2:][:3]
@@ -349,6 +361,8 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": MSGS, "stream": "yes"}, "stream"),
     (CHAT, {"model": MODEL, "messages": MSGS, "specdec_mode": "fast"}, "specdec_mode"),
     (CHAT, {"model": MODEL, "messages": MSGS, "specdec_k": 999}, "specdec_k"),
+    (CHAT, {"model": MODEL, "messages": MSGS, "specdec_rule": "typical"}, "specdec_rule"),
+    (CHAT, {"model": MODEL, "messages": MSGS, "specdec_rule": 1}, "specdec_rule"),
     (COMPLETE, {"model": MODEL, "prompt": "x", "echo": True}, "echo"),
     (CHAT, {"model": MODEL, "messages": MSGS, "logprobs": True}, "logprobs"),
     (CHAT, [1, 2], None),

@@ -81,7 +81,8 @@ def still_serves(services) -> None:
 
 
 def sampled(**fields) -> pb.SamplingParams:
-    return pb.SamplingParams(**{"temperature": 1.0, "seed": 7, **fields})
+    """Sampling under the rejection rule: the rule whose verify calls carry draft_dists."""
+    return pb.SamplingParams(**{"temperature": 1.0, "seed": 7, "rule": pb.REJECTION, **fields})
 
 
 def dist(ids, probs) -> pb.SparseDist:

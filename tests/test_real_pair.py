@@ -65,3 +65,22 @@ def test_default_draft_is_identical(tmp_path, target_only, mode):
     for row, ref in zip(rows, target_only):
         assert row["token_ids"] == ref["token_ids"], row["prompt"]
         assert row["rounds"] > 0 and row["mode"] == mode
+
+
+def test_seeded_sampling_is_the_same_in_every_mode_k_and_without_the_draft(tmp_path):
+    """The coupled rule (the default): a seed fixes the text, whatever the mode, k or draft."""
+    sampled = ("--temperature", "0.8", "--top-p", "0.95", "--seed", "7")
+    runs = {
+        "target-only": specdec_json(tmp_path, "--mode", "target-only", *sampled),
+        "spec": specdec_json(tmp_path, "--mode", "spec", *sampled),
+        "pipelined k=2": specdec_json(tmp_path, "--mode", "pipelined", "--k", "2", *sampled),
+        "spec ngram draft k=6": specdec_json(tmp_path, "--mode", "spec", "--draft", "ngram",
+                                             "--k", "6", *sampled),
+    }
+    ref = runs["target-only"]
+    for name, rows in runs.items():
+        assert [r["token_ids"] for r in rows] == [r["token_ids"] for r in ref], name
+    assert runs["spec"][0]["accepted_tokens"] > 0
+    other_seed = specdec_json(tmp_path, "--mode", "spec", "--temperature", "0.8", "--top-p",
+                              "0.95", "--seed", "8")
+    assert [r["token_ids"] for r in other_seed] != [r["token_ids"] for r in ref]
