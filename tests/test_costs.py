@@ -63,7 +63,9 @@ def test_k_falls_to_zero_under_a_large_batch_and_rises_when_it_empties():
     assert _k_after(costs, batch=1) >= 2  # the batch emptied: speculation resumes
 
 
-def test_sampled_requests_keep_the_calibrated_costs():
+def test_rejection_sampled_requests_keep_the_calibrated_costs():
+    """Under the rejection rule k changes a seeded request's text, so k must not follow
+    timings; greedy and coupled-sampled requests (k cannot change their text) use live costs."""
     from orchestrator.loop import GenerationRequest, Orchestrator
     from specdec.config import SamplingParams
 
@@ -77,9 +79,12 @@ def test_sampled_requests_keep_the_calibrated_costs():
     for _ in range(50):
         orch.live_costs.observe(rec("target", 300.0, 4))
     greedy = orch._controller(GenerationRequest([1], 8))
-    sampled = orch._controller(GenerationRequest([1], 8, SamplingParams(temperature=0.8)))
+    coupled = orch._controller(GenerationRequest([1], 8, SamplingParams(temperature=0.8)))
+    rejection = orch._controller(GenerationRequest([1], 8, SamplingParams(
+        temperature=0.8, rule="rejection")))
     assert greedy.costs is orch.live_costs and greedy.costs.target_scale > 5
-    assert sampled.costs.target_scale == 1.0 and sampled.costs.target_ms == CURVE
+    assert coupled.costs is orch.live_costs
+    assert rejection.costs.target_scale == 1.0 and rejection.costs.target_ms == CURVE
 
 
 def test_prompt_lookup_stops_when_its_blocks_are_rejected_and_probes_now_and_then():
