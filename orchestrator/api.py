@@ -35,11 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from orchestrator.clients import ServiceError
 from orchestrator.loop import MODES, GenerationRequest
 from orchestrator.metrics import CONTENT_TYPE, Metrics
-from specdec.config import DEFAULT_RULE, SamplingParams
+from specdec.config import DEFAULT_RULE, MAX_TOP_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+MAX_N = 16  # choices per request (each is a generation of its own, run concurrently)
 
 
 @dataclasses.dataclass
@@ -328,10 +329,11 @@ def _is_result(item) -> bool:
     return hasattr(item, "finish_reason")
 
 
-def _usage(result) -> dict:
-    n = len(result.token_ids)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n,
-            "total_tokens": result.prompt_tokens + n}
+def _usage(results) -> dict:
+    """OpenAI's usage of one response: the prompt once, every choice's tokens."""
+    prompt = results[0].prompt_tokens
+    n = sum(len(r.token_ids) for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
 
 def specdec_stats(result) -> dict:
@@ -408,25 +410,45 @@ class _Front:
     def unsupported(self, body) -> None:
         """Refuse options that would change the output and that specdec does not implement."""
         checks = [
-            ("n", body.n != 1, "n must be 1: one choice per request"),
+            ("n", not 1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}"),
             ("presence_penalty", body.presence_penalty not in (None, 0.0), "not supported"),
             ("frequency_penalty", body.frequency_penalty not in (None, 0.0), "not supported"),
             ("logit_bias", bool(body.logit_bias), "not supported"),
-            ("logprobs", body.logprobs not in (None, False), "not supported"),
         ]
         if isinstance(body, CompletionBody):
-            checks += [("echo", body.echo, "not supported"),
+            checks += [("logprobs", body.logprobs is not None and
+                        not 0 <= body.logprobs <= MAX_TOP_LOGPROBS,
+                        f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}"),
+                       ("echo", body.echo, "not supported"),
                        ("best_of", body.best_of not in (None, 1), "best_of must be 1"),
                        ("suffix", bool(body.suffix), "not supported")]
         else:
             checks += [("tools", bool(body.tools), "tools are not supported"),
-                       ("top_logprobs", bool(body.top_logprobs), "not supported"),
+                       ("top_logprobs", body.top_logprobs is not None and
+                        not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS,
+                        f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                        f"got {body.top_logprobs}"),
+                       ("top_logprobs", bool(body.top_logprobs) and not body.logprobs,
+                        "top_logprobs needs logprobs: true"),
                        ("response_format", bool(body.response_format) and
                         body.response_format.get("type") != "text",
                         "only the text response format is supported")]
         for param, bad, why in checks:
             if bad:
                 raise _invalid(f"{param}: {why}", param)
+
+    def generation_requests(self, body, prompt_ids: list[int], request_id: str,
+                            max_tokens: int | None) -> list[GenerationRequest]:
+        """One request per choice: choice i has seed + i (a fresh seed each without one)."""
+        first = self.generation_request(body, prompt_ids, request_id, max_tokens)
+        if body.n == 1:
+            return [first]
+        reqs = []
+        for i in range(body.n):
+            seed = first.sampling.seed + i if body.seed is not None else request_seed(None)
+            reqs.append(dataclasses.replace(first, request_id=f"{request_id}-{i}",
+                                            sampling=first.sampling.replace(seed=seed % 2**64)))
+        return reqs
 
     def generation_request(self, body, prompt_ids: list[int], request_id: str,
                            max_tokens: int | None) -> GenerationRequest:
@@ -469,9 +491,14 @@ class _Front:
             raise _invalid(f"specdec_mode must be one of {', '.join(MODES)}, got {mode!r}",
                            "specdec_mode")
         k = d.k if body.specdec_k is None else body.specdec_k
+        if isinstance(body, ChatBody):
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
         try:
             return GenerationRequest(prompt_ids, max_tokens, sampling, list(stop), mode, k,
-                                     request_id, prompt_lookup=d.prompt_lookup)
+                                     request_id, prompt_lookup=d.prompt_lookup,
+                                     logprobs=logprobs)
         except ValueError as exc:
             raise _invalid(str(exc), "specdec_k" if "k must" in str(exc) else None)
 
@@ -525,11 +552,11 @@ class _Front:
             fields.update(completion_tokens=sent, wall_s=round(wall_s, 4))
         log.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()))
 
-    async def generate(self, request: Request, req: GenerationRequest, endpoint: str):
-        """The whole result, or None when the client disconnected first (then the generation
-        is cancelled, which frees its sessions)."""
+    async def generate(self, request: Request, reqs: list[GenerationRequest], endpoint: str):
+        """The whole results, one per request, or None when the client disconnected first
+        (then the generations are cancelled, which frees their sessions)."""
 
-        async def collect():
+        async def collect(req):
             result = None
             async with contextlib.aclosing(self.run(req, endpoint)) as items:
                 async for item in items:
@@ -541,64 +568,140 @@ class _Front:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        task = asyncio.ensure_future(collect())
+        tasks = [asyncio.ensure_future(collect(req)) for req in reqs]
+        everything = asyncio.gather(*tasks)
         watch = asyncio.ensure_future(disconnected())
         try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # we are cancelled (shutdown): so is the generation
-            task.cancel()
+            await asyncio.wait({everything, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # we are cancelled (shutdown): so are the generations
+            everything.cancel()
             raise
         finally:
             watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            return None
+        if not everything.done() or everything.exception() is not None:
+            # disconnected, or one choice failed: the others stop too
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            if not everything.done() or everything.cancelled():
+                return None
         try:
-            return task.result()
+            return everything.result()
         except ServiceError as exc:
             raise _service_error(exc) from None
         except ValueError as exc:
             raise _invalid(str(exc)) from None
 
-    async def events(self, req: GenerationRequest, endpoint: str, chat: bool, head: dict,
-                     include_usage: bool) -> AsyncIterator[str]:
-        """The SSE body of a streamed response."""
-        extra = {"usage": None} if include_usage else {}
+    async def _items(self, reqs: list[GenerationRequest], endpoint: str):
+        """(choice index, delta or result) of every generation as they come; for n > 1 the
+        generations run concurrently, and closing this closes them all."""
+        if len(reqs) == 1:
+            async with contextlib.aclosing(self.run(reqs[0], endpoint)) as items:
+                async for item in items:
+                    yield 0, item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> dict:
+        async def pump(i: int, req: GenerationRequest) -> None:
+            error = None
+            try:
+                async with contextlib.aclosing(self.run(req, endpoint)) as items:
+                    async for item in items:
+                        queue.put_nowait((i, item, None))
+            except Exception as exc:
+                error = exc
+            finally:  # the end of choice i, even when cancelled
+                queue.put_nowait((i, None, error))
+
+        tasks = [asyncio.ensure_future(pump(i, req)) for i, req in enumerate(reqs)]
+        try:
+            running = len(tasks)
+            while running:
+                i, item, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if item is None:
+                    running -= 1
+                    continue
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- log-probabilities in OpenAI's shapes --
+
+    def _token_text(self, token_id: int) -> str:
+        return self.backend.tokenizer.decode([token_id])
+
+    def chat_logprobs(self, logprobs) -> dict:
+        """choices[].logprobs of a chat completion (or of one streamed delta)."""
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**entry(t.token_id, t.logprob),
+                             "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                            for t in logprobs], "refusal": None}
+
+    def completion_logprobs(self, logprobs, offset: int = 0) -> dict:
+        """choices[].logprobs of a text completion; text_offset counts from ``offset``."""
+        tokens = [self._token_text(t.token_id) for t in logprobs]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [t.logprob for t in logprobs],
+                "top_logprobs": [{self._token_text(i): lp for i, lp in t.top}
+                                 for t in logprobs],
+                "text_offset": offsets}
+
+    async def events(self, reqs: list[GenerationRequest], endpoint: str, chat: bool, head: dict,
+                     include_usage: bool) -> AsyncIterator[str]:
+        """The SSE body of a streamed response (choices interleaved as they come, by index)."""
+        extra = {"usage": None} if include_usage else {}
+        want_logprobs = reqs[0].logprobs is not None
+        offsets = [0] * len(reqs)  # completions: characters streamed per choice
+
+        def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False,
+                  logprobs=None) -> dict:
+            lp = None
+            if want_logprobs and logprobs is not None:
+                lp = self.chat_logprobs(logprobs) if chat else \
+                    self.completion_logprobs(logprobs, offsets[i])
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else \
                     ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None,
+                choice = {"index": i, "text": text or "", "logprobs": lp,
                           "finish_reason": finish}
             return {**head, "choices": [choice], **extra}
 
         try:
             if chat:
-                yield _sse(chunk(None, role=True))
-            result = None
-            # aclosing: when we are closed at a yield, the generation must be closed too
-            async with contextlib.aclosing(self.run(req, endpoint)) as items:
-                async for item in items:
+                for i in range(len(reqs)):
+                    yield _sse(chunk(i, None, role=True))
+            results = [None] * len(reqs)
+            # aclosing: when we are closed at a yield, the generations must be closed too
+            async with contextlib.aclosing(self._items(reqs, endpoint)) as items:
+                async for i, item in items:
                     if _is_result(item):
-                        result = item
-                    elif item.text:
-                        yield _sse(chunk(item.text))
-            last = chunk(None, result.finish_reason)
-            last["specdec"] = specdec_stats(result)
-            yield _sse(last)
+                        results[i] = item
+                        last = chunk(i, None, item.finish_reason)
+                        last["specdec"] = specdec_stats(item)
+                        yield _sse(last)
+                    elif item.text or (want_logprobs and item.logprobs):
+                        yield _sse(chunk(i, item.text, logprobs=item.logprobs))
+                        offsets[i] += len(item.text)
             if include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(result)})
+                yield _sse({**head, "choices": [], "usage": _usage(results)})
         except ServiceError as exc:
             yield _sse(_service_error(exc).body())
         except ValueError as exc:
             yield _sse(_invalid(str(exc)).body())
         except Exception as exc:  # headers are sent: the error can only travel as an event
-            log.exception("request %s failed", req.request_id)
+            log.exception("request %s failed", reqs[0].request_id)
             yield _sse(APIError(500, f"internal error: {exc}", type="server_error").body())
         yield _sse("[DONE]")
 
@@ -607,7 +710,7 @@ class _Front:
         self.unsupported(body)
         rid = request.headers.get("x-request-id", "")
         rid = rid if _REQUEST_ID.match(rid) else uuid.uuid4().hex[:16]
-        req = self.generation_request(body, prompt_ids, rid, max_tokens)
+        reqs = self.generation_requests(body, prompt_ids, rid, max_tokens)
         endpoint = request.url.path
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
                 "object": "chat.completion.chunk" if chat else "text_completion",
@@ -615,21 +718,31 @@ class _Front:
         headers = {"X-Request-Id": rid}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _EventStream(self.events(req, endpoint, chat, head, include_usage),
+            return _EventStream(self.events(reqs, endpoint, chat, head, include_usage),
                                 headers={**headers, "Cache-Control": "no-cache",
                                          "X-Accel-Buffering": "no"})
-        result = await self.generate(request, req, endpoint)
-        if result is None:  # nobody is listening any more
+        results = await self.generate(request, reqs, endpoint)
+        if results is None:  # nobody is listening any more
             return Response(status_code=499)
+        want_logprobs = reqs[0].logprobs is not None
+        choices = []
+        for i, result in enumerate(results):
+            if chat:
+                lp = self.chat_logprobs(result.logprobs) if want_logprobs else None
+                choices.append({"index": i, "message": {"role": "assistant",
+                                                        "content": result.text},
+                                "logprobs": lp, "finish_reason": result.finish_reason})
+            else:
+                lp = self.completion_logprobs(result.logprobs) if want_logprobs else None
+                choices.append({"index": i, "text": result.text, "logprobs": lp,
+                                "finish_reason": result.finish_reason})
         if chat:
             head["object"] = "chat.completion"
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "logprobs": None, "finish_reason": result.finish_reason}
-        else:
-            choice = {"index": 0, "text": result.text, "logprobs": None,
-                      "finish_reason": result.finish_reason}
-        return JSONResponse({**head, "choices": [choice], "usage": _usage(result),
-                             "specdec": specdec_stats(result)}, headers=headers)
+        # one choice: its stats; several: a list, one per choice
+        stats = [specdec_stats(r) for r in results]
+        return JSONResponse({**head, "choices": choices, "usage": _usage(results),
+                             "specdec": stats[0] if len(stats) == 1 else stats},
+                            headers=headers)
 
 
 def create_app(backend, model_name: str, api_key: str | None = None, *,

@@ -26,7 +26,7 @@ from typing import AsyncIterator
 from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
 from orchestrator.clients import CallRecord, DraftClient, History, ServiceError, TargetClient
 from orchestrator.text import TextStream
-from specdec.config import MAX_K, SamplingParams
+from specdec.config import MAX_K, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.drafting import lookup
 from specdec.wire import specdec_pb2 as pb
 
@@ -47,6 +47,9 @@ class GenerationRequest:
     # Prompt lookup before the draft model: when the history's last tokens occurred earlier,
     # propose what followed them (free, and strong on input-grounded text).
     prompt_lookup: bool = True
+    # None: no log-probabilities; N (0..20): each generated token's, and its N likeliest
+    # alternatives' (the target's raw log-softmax at that position)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -57,6 +60,9 @@ class GenerationRequest:
             raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.k is not None and not (0 <= self.k <= MAX_K):
             raise ValueError(f"k must be in [0, {MAX_K}], got {self.k}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.logprobs}")
         if not self.request_id:
             self.request_id = uuid.uuid4().hex[:16]
 
@@ -132,6 +138,8 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS or stop string) | "length"
     prompt_tokens: int
     stats: GenerationStats
+    # with GenerationRequest.logprobs: one TokenLogprob per token id, else []
+    logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
 
     def summary(self) -> dict:
         s = self.stats
@@ -178,6 +186,17 @@ class Delta:
 
     text: str
     token_ids: list[int]
+    logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """The target's log-probability of a generated token, and the likeliest alternatives at its
+    position (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class _Block:
@@ -269,6 +288,7 @@ class Orchestrator:
         history = History(req.prompt_ids)
         n_prompt = len(req.prompt_ids)
         generated: list[int] = []
+        logprobs: list[TokenLogprob] = []  # in step with generated (when asked for)
         streamed = 0  # generated ids already handed out in a Delta
         text = TextStream(self.tokenizer, req.stop)
         finish = "length"
@@ -329,11 +349,14 @@ class Orchestrator:
                 resp, rec = await self.target.verify(
                     session_id, history, block.tokens,
                     [pb.SparseDist(ids=i, probs=p) for i, p in block.dists],
-                    req.sampling, req.request_id,
+                    req.sampling, req.request_id, req.logprobs,
                 )
                 self._record(stats, rec)
                 n_acc = int(resp.num_accepted)
                 new = block.tokens[:n_acc] + [int(resp.next_token)]
+                if req.logprobs is not None:
+                    logprobs += [TokenLogprob(t, e.logprob, list(zip(e.top_ids, e.top_logprobs)))
+                                 for t, e in zip(new, resp.logprobs)]
                 stats.rounds += 1
                 stats.rounds_per_k[len(block.tokens)] = stats.rounds_per_k.get(len(block.tokens), 0) + 1
                 stats.draft_tokens += len(block.tokens)
@@ -389,7 +412,7 @@ class Orchestrator:
                     generated = generated[: text.stop_token_count]
                 if delta or (done and streamed < len(generated)):
                     # the ids not yet streamed, none past EOS or the stop string
-                    yield Delta(delta, generated[streamed:])
+                    yield Delta(delta, generated[streamed:], logprobs[streamed:len(generated)])
                     streamed = len(generated)
                 if done:
                     break
@@ -399,7 +422,8 @@ class Orchestrator:
             stats.wall_s = time.perf_counter() - started
             stats.re_prefills = sum(c.re_prefilled for c in stats.calls)
             await asyncio.shield(self._close(session_id))
-        yield GenerationResult(req.request_id, generated, text.text, finish, n_prompt, stats)
+        yield GenerationResult(req.request_id, generated, text.text, finish, n_prompt, stats,
+                               logprobs[: len(generated)])
 
     async def _draft(self, session_id: str, history: History, extra: list[int], k: int,
                      req: GenerationRequest, stats: GenerationStats,

@@ -6,6 +6,7 @@ import dataclasses
 import os
 
 MAX_K = 64
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
 # Below this temperature logits / temperature overflows float32 (NaN probabilities); greedy
 # decoding is the limit of sampling as the temperature goes to 0, so it is used instead (as
 # vLLM does below 1e-5).

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from specdec.acceptance import verify_coupled, verify_greedy, verify_rejection
-from specdec.config import MAX_K, SamplingParams
+from specdec.config import MAX_K, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.engine import LlamaEngine
 from specdec.sampling import from_sparse, position_generator, process_logits
 from specdec.scheduler import Piece
@@ -26,6 +26,7 @@ class VerifyCall:
     draft_dists: list[tuple[list[int], list[float]]]  # k sparse q's (rejection rule) or []
     sampling: SamplingParams
     request_id: str = ""
+    logprobs: int | None = None  # None: none; N: each emitted token's and N alternatives'
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "VerifyCall":
@@ -39,6 +40,9 @@ class VerifyCall:
             raise ValueError(f"a draft block holds at most {MAX_K} tokens, got {len(drafts)}")
         _check_ids(tokens, vocab_size, "tokens")
         _check_ids(drafts, vocab_size, "draft_tokens")
+        if not (0 <= req.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {req.top_logprobs}")
         dists: list[tuple[list[int], list[float]]] = []
         if not sampling.drafter_invariant:
             if len(req.draft_dists) != len(drafts):
@@ -65,6 +69,7 @@ class VerifyCall:
             draft_dists=dists,
             sampling=sampling,
             request_id=req.request_id[:64],
+            logprobs=int(req.top_logprobs) if req.logprobs else None,
         )
 
 
@@ -79,6 +84,20 @@ class VerifyResult:
     num_accepted: int
     next_token: int
     cache_len: int
+    # per emitted token: (logprob, top ids, their logprobs); empty unless asked for
+    logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(
+        default_factory=list)
+
+
+def emitted_logprobs(logits: torch.Tensor, tokens: list[int], top: int):
+    """(log p(token), top ids, top logprobs) of each row's token under the target's raw
+    log-softmax. logits: [len(tokens), vocab]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    if top:
+        values, ids = torch.topk(logp, top, dim=-1)
+        return [(lp, i, v) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
+    return [(lp, [], []) for lp in chosen]
 
 
 class VerifyWork:
@@ -156,7 +175,10 @@ class VerifyWork:
         self.session.accepted += num_accepted
         self.session.compute_s += self.compute_s
         self.session.cache.truncate(c.prefix_len + len(kept))
-        self._result = VerifyResult(num_accepted, next_token, len(self.session))
+        emitted = c.draft_tokens[:num_accepted] + [next_token]
+        logprobs = ([] if c.logprobs is None else
+                    emitted_logprobs(logits[: num_accepted + 1], emitted, c.logprobs))
+        self._result = VerifyResult(num_accepted, next_token, len(self.session), logprobs)
         return True
 
     def result(self) -> VerifyResult:

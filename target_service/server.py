@@ -37,6 +37,8 @@ class TargetServicer(rpc.CommonServicerMixin, pb_grpc.TargetServiceServicer):
             cache_len=result.cache_len,
             compute_ms=work.compute_s * 1000.0,
             batch_size=work.batch_size,
+            logprobs=[pb.TokenLogprobs(logprob=lp, top_ids=ids, top_logprobs=lps)
+                      for lp, ids, lps in result.logprobs],
         )
 
     async def Verify(self, request, context):

@@ -16,7 +16,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import JSONResponse, Response
 
-from conftest import ServiceThread, hf_greedy
+from conftest import ServiceThread, hf_greedy, run
 from orchestrator.api import ServeDefaults, create_app
 from orchestrator.client import (AsyncSpecdecClient, AuthenticationError, BadRequestError,
                                  ServerError, SpecdecClient, SpecdecConnectionError)
@@ -355,7 +355,8 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": MSGS, "temperature": "hot"}, "temperature"),
     (CHAT, {"model": MODEL, "messages": MSGS, "top_p": 0}, "top_p"),
     (CHAT, {"model": MODEL, "messages": MSGS, "top_p": 1.5}, "top_p"),
-    (CHAT, {"model": MODEL, "messages": MSGS, "n": 2}, "n"),
+    (CHAT, {"model": MODEL, "messages": MSGS, "n": 0}, "n"),
+    (CHAT, {"model": MODEL, "messages": MSGS, "n": 17}, "n"),
     (CHAT, {"model": MODEL, "messages": MSGS, "seed": -1}, "seed"),
     (CHAT, {"model": MODEL, "messages": MSGS, "stop": [1]}, "stop"),
     (CHAT, {"model": MODEL, "messages": MSGS, "stream": "yes"}, "stream"),
@@ -364,7 +365,11 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": MSGS, "specdec_rule": "typical"}, "specdec_rule"),
     (CHAT, {"model": MODEL, "messages": MSGS, "specdec_rule": 1}, "specdec_rule"),
     (COMPLETE, {"model": MODEL, "prompt": "x", "echo": True}, "echo"),
-    (CHAT, {"model": MODEL, "messages": MSGS, "logprobs": True}, "logprobs"),
+    (CHAT, {"model": MODEL, "messages": MSGS, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
+    (CHAT, {"model": MODEL, "messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
+    (COMPLETE, {"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs"),
+    (COMPLETE, {"model": MODEL, "prompt": "x", "logprobs": -1}, "logprobs"),
     (CHAT, [1, 2], None),
     (CHAT, b'{"model": "tiny", "messages": [', None),
     (CHAT, b"", None),
@@ -568,3 +573,122 @@ def test_target_down_gives_503_and_the_client_reports_it(tiny_models):
         h.stop()
         if target.thread.is_alive():
             target.stop()
+
+
+# ---- logprobs and n > 1 ------------------------------------------------------------------
+
+def hf_logprobs(model_dir: str, prompt_ids: list[int], token_ids: list[int]):
+    """transformers' log-softmax at each generated position: [len(token_ids), vocab]."""
+    import torch
+
+    from specdec.models import load_hf_model
+
+    model, _ = load_hf_model(model_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0]
+    return torch.log_softmax(logits[len(prompt_ids) - 1:-1].float(), -1)
+
+
+@pytest.mark.parametrize("mode", ["pipelined", "target-only"])
+def test_chat_logprobs_are_the_targets_own(api, tiny_models, tok, mode):
+    """Each generated token's logprob and top alternatives equal transformers' log-softmax at
+    that position, whichever pass (a verify block row or a single step) computed them."""
+    client = openai.OpenAI(base_url=api + "/v1", api_key="unused", max_retries=0)
+    resp = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=24,
+        temperature=0, logprobs=True, top_logprobs=3,
+        extra_body={"specdec_mode": mode, "specdec_k": 3})
+    content = resp.choices[0].logprobs.content
+    prompt_ids = chat_ids(tok, PROMPT)
+    _, ids = reference(tiny_models, tok, prompt_ids, 24)
+    assert len(content) == len(ids) == resp.usage.completion_tokens
+    ref = hf_logprobs(tiny_models["target"], prompt_ids, ids)
+    for j, (entry, token_id) in enumerate(zip(content, ids)):
+        assert entry.token == tok.decode([token_id])
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+        assert abs(entry.logprob - float(ref[j, token_id])) < 1e-4, j
+        top = ref[j].topk(3)
+        assert [t.token for t in entry.top_logprobs] == [tok.decode([i]) for i in top.indices]
+        assert all(abs(t.logprob - float(v)) < 1e-4 for t, v in zip(entry.top_logprobs,
+                                                                     top.values))
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the likeliest token
+    if mode == "pipelined":  # rows of verify blocks (accepted ones: the test below)
+        assert resp.specdec["draft_tokens"] > 0
+
+
+def test_verify_returns_logprobs_of_accepted_and_bonus_rows(tiny_services, tiny_models, tok):
+    """A block the target accepts whole: every emitted token's logprob (block rows and the
+    bonus) is transformers' at that position."""
+    from orchestrator.clients import History, TargetClient
+    from specdec.config import SamplingParams
+
+    prompt_ids = chat_ids(tok, PROMPT)
+    _, ids = reference(tiny_models, tok, prompt_ids, 8)
+    ref = hf_logprobs(tiny_models["target"], prompt_ids, ids[:6])
+
+    async def verify():
+        client = TargetClient(tiny_services["target"].address)
+        await client.wait_ready()
+        try:
+            resp, _ = await client.verify("lp-test", History(prompt_ids), ids[:5], [],
+                                          SamplingParams(), logprobs=2)
+            await client.close_session("lp-test")
+            return resp
+        finally:
+            await client.close()
+
+    resp = run(verify())
+    assert resp.num_accepted == 5 and resp.next_token == ids[5]
+    assert len(resp.logprobs) == 6
+    for j, entry in enumerate(resp.logprobs):
+        assert abs(entry.logprob - float(ref[j, ids[j]])) < 1e-4, j
+        assert list(entry.top_ids) == ref[j].topk(2).indices.tolist()
+
+
+def test_completion_logprobs_stream_as_they_come_and_match_the_whole(api):
+    client = openai.OpenAI(base_url=api + "/v1", api_key="unused", max_retries=0)
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0.9, seed=3,
+              logprobs=2)
+    whole = client.completions.create(**kw).choices[0]
+    lp = whole.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
+    assert all(len(t) <= 2 for t in lp.top_logprobs)
+    assert all(x <= 0.0 for x in lp.token_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    text = ""
+    for c in client.completions.create(stream=True, **kw):
+        if c.choices and c.choices[0].logprobs:
+            for key in streamed:
+                streamed[key] += getattr(c.choices[0].logprobs, key)
+        if c.choices:
+            text += c.choices[0].text
+    assert text == whole.text  # seeded, coupled rule: the same sample
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"] == pytest.approx(lp.token_logprobs, abs=1e-4)
+    no_lp = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4)
+    assert no_lp.choices[0].logprobs is None
+
+
+def test_n_choices_are_independent_seeded_generations(api):
+    """n > 1: choice i is the generation with seed + i (run concurrently); usage counts all."""
+    client = openai.OpenAI(base_url=api + "/v1", api_key="unused", max_retries=0)
+    msgs = [{"role": "user", "content": PROMPT}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=16, temperature=1.0)
+    resp = client.chat.completions.create(n=3, seed=40, **kw)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    singles = [client.chat.completions.create(seed=40 + i, **kw) for i in range(3)]
+    assert [c.message.content for c in resp.choices] == \
+        [s.choices[0].message.content for s in singles]
+    assert len({c.message.content for c in resp.choices}) > 1
+    assert resp.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert resp.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    texts = {0: "", 1: "", 2: ""}
+    finished = set()
+    for c in client.chat.completions.create(n=3, seed=40, stream=True, **kw):
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1, 2}
+    assert [texts[i] for i in range(3)] == [c.message.content for c in resp.choices]

@@ -239,7 +239,7 @@ def test_coupled_acceptance_is_at_least_its_floor():
 VOCAB = 16
 PROMPT = [1, 5, 9, 3, 12, 7]
 GEN_TOKENS = 4  # positions 0..3: one k = 3 block and its bonus (spec); two rounds (pipelined)
-GENERATIONS = 2500
+GENERATIONS = 1500
 REDUCED = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 13]  # the draft's vocabulary: 12 of the 16 ids
 Q_TOP_K = 6  # the draft samples from (and sends) its 6 likeliest tokens
 SERVICE_SAMPLING = dict(temperature=1.0)
