@@ -380,6 +380,13 @@ class _Front:
             raise _invalid(f"prompt token ids must be in [0, {vocab}), got {bad[0]}", "prompt")
         return list(prompt)
 
+    def prompt_text(self, body: CompletionBody, prompt_ids: list[int]) -> str:
+        """The prompt as echoed: the text sent, or the token ids' text."""
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, str) else self.backend.tokenizer.decode(prompt_ids)
+
     def chat_prompt(self, body: ChatBody) -> list[int]:
         if not body.messages:
             raise _invalid("messages must not be empty", "messages")
@@ -419,7 +426,8 @@ class _Front:
             checks += [("logprobs", body.logprobs is not None and
                         not 0 <= body.logprobs <= MAX_TOP_LOGPROBS,
                         f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {body.logprobs}"),
-                       ("echo", body.echo, "not supported"),
+                       ("echo", body.echo and body.stream, "echo is not supported with "
+                        "stream"),
                        ("best_of", body.best_of not in (None, 1), "best_of must be 1"),
                        ("suffix", bool(body.suffix), "not supported")]
         else:
@@ -441,6 +449,8 @@ class _Front:
                             max_tokens: int | None) -> list[GenerationRequest]:
         """One request per choice: choice i has seed + i (a fresh seed each without one)."""
         first = self.generation_request(body, prompt_ids, request_id, max_tokens)
+        if isinstance(body, CompletionBody) and body.echo and body.logprobs is not None:
+            first = dataclasses.replace(first, prompt_logprobs=True)
         if body.n == 1:
             return [first]
         reqs = []
@@ -644,16 +654,23 @@ class _Front:
                              "top_logprobs": [entry(i, lp) for i, lp in t.top]}
                             for t in logprobs], "refusal": None}
 
-    def completion_logprobs(self, logprobs, offset: int = 0) -> dict:
-        """choices[].logprobs of a text completion; text_offset counts from ``offset``."""
+    def completion_logprobs(self, logprobs, offset: int = 0, first_token: int | None = None,
+                            ) -> dict:
+        """choices[].logprobs of a text completion; text_offset counts from ``offset``. With
+        ``first_token`` (echo: the prompt's first token, which nothing scores) that token
+        comes first, with logprob None."""
         tokens = [self._token_text(t.token_id) for t in logprobs]
+        token_logprobs: list = [t.logprob for t in logprobs]
+        top: list = [{self._token_text(i): lp for i, lp in t.top} for t in logprobs]
+        if first_token is not None:
+            tokens.insert(0, self._token_text(first_token))
+            token_logprobs.insert(0, None)
+            top.insert(0, None)
         offsets = []
         for text in tokens:
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [t.logprob for t in logprobs],
-                "top_logprobs": [{self._token_text(i): lp for i, lp in t.top}
-                                 for t in logprobs],
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
                 "text_offset": offsets}
 
     async def events(self, reqs: list[GenerationRequest], endpoint: str, chat: bool, head: dict,
@@ -732,6 +749,13 @@ class _Front:
                 choices.append({"index": i, "message": {"role": "assistant",
                                                         "content": result.text},
                                 "logprobs": lp, "finish_reason": result.finish_reason})
+            elif body.echo:  # the prompt, then the completion; logprobs over both
+                lp = self.completion_logprobs(result.prompt_logprobs + result.logprobs,
+                                              first_token=prompt_ids[0]) if want_logprobs \
+                    else None
+                choices.append({"index": i, "text": self.prompt_text(body, prompt_ids)
+                                + result.text, "logprobs": lp,
+                                "finish_reason": result.finish_reason})
             else:
                 lp = self.completion_logprobs(result.logprobs) if want_logprobs else None
                 choices.append({"index": i, "text": result.text, "logprobs": lp,

@@ -319,7 +319,8 @@ class TargetClient(ServiceClient):
 
     async def verify(self, session_id: str, history: History, draft_tokens: list[int],
                      draft_dists, sampling: SamplingParams, request_id: str = "",
-                     logprobs: int | None = None) -> tuple[pb.VerifyResponse, CallRecord]:
+                     logprobs: int | None = None, prompt_logprobs: bool = False,
+                     ) -> tuple[pb.VerifyResponse, CallRecord]:
         """Verify a block. A lost session is re-prefilled; an unreachable target (restarting,
         loading) is retried with backoff for ``unavailable_deadline_s``, then UNAVAILABLE."""
         deadline = time.monotonic() + self.unavailable_deadline_s
@@ -331,7 +332,7 @@ class TargetClient(ServiceClient):
             req = pb.VerifyRequest(session=ref, tokens=tokens, draft_tokens=draft_tokens,
                                    draft_dists=draft_dists, sampling=sampling.to_wire(pb),
                                    request_id=request_id, logprobs=logprobs is not None,
-                                   top_logprobs=logprobs or 0)
+                                   top_logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs)
             start = time.perf_counter()
             try:
                 resp = await self._call(session_id, req)

@@ -50,6 +50,8 @@ class GenerationRequest:
     # None: no log-probabilities; N (0..20): each generated token's, and its N likeliest
     # alternatives' (the target's raw log-softmax at that position)
     logprobs: int | None = None
+    # Also the log-probability of each prompt token but the first (prompt scoring, `echo`)
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -140,6 +142,8 @@ class GenerationResult:
     stats: GenerationStats
     # with GenerationRequest.logprobs: one TokenLogprob per token id, else []
     logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
+    # with GenerationRequest.prompt_logprobs: one per prompt token but the first
+    prompt_logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
 
     def summary(self) -> dict:
         s = self.stats
@@ -197,6 +201,12 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+
+
+def _token_logprobs(tokens: list[int], entries) -> list[TokenLogprob]:
+    """TokenLogprobs of a VerifyResponse (wire) as TokenLogprob, one per token."""
+    return [TokenLogprob(t, e.logprob, list(zip(e.top_ids, e.top_logprobs)))
+            for t, e in zip(tokens, entries)]
 
 
 class _Block:
@@ -289,6 +299,7 @@ class Orchestrator:
         n_prompt = len(req.prompt_ids)
         generated: list[int] = []
         logprobs: list[TokenLogprob] = []  # in step with generated (when asked for)
+        prompt_logprobs: list[TokenLogprob] = []
         streamed = 0  # generated ids already handed out in a Delta
         text = TextStream(self.tokenizer, req.stop)
         finish = "length"
@@ -350,13 +361,15 @@ class Orchestrator:
                     session_id, history, block.tokens,
                     [pb.SparseDist(ids=i, probs=p) for i, p in block.dists],
                     req.sampling, req.request_id, req.logprobs,
+                    prompt_logprobs=req.prompt_logprobs and stats.rounds == 0,
                 )
+                if req.prompt_logprobs and stats.rounds == 0:
+                    prompt_logprobs = _token_logprobs(req.prompt_ids[1:], resp.prompt_logprobs)
                 self._record(stats, rec)
                 n_acc = int(resp.num_accepted)
                 new = block.tokens[:n_acc] + [int(resp.next_token)]
                 if req.logprobs is not None:
-                    logprobs += [TokenLogprob(t, e.logprob, list(zip(e.top_ids, e.top_logprobs)))
-                                 for t, e in zip(new, resp.logprobs)]
+                    logprobs += _token_logprobs(new, resp.logprobs)
                 stats.rounds += 1
                 stats.rounds_per_k[len(block.tokens)] = stats.rounds_per_k.get(len(block.tokens), 0) + 1
                 stats.draft_tokens += len(block.tokens)
@@ -423,7 +436,7 @@ class Orchestrator:
             stats.re_prefills = sum(c.re_prefilled for c in stats.calls)
             await asyncio.shield(self._close(session_id))
         yield GenerationResult(req.request_id, generated, text.text, finish, n_prompt, stats,
-                               logprobs[: len(generated)])
+                               logprobs[: len(generated)], prompt_logprobs)
 
     async def _draft(self, session_id: str, history: History, extra: list[int], k: int,
                      req: GenerationRequest, stats: GenerationStats,

@@ -27,6 +27,7 @@ class VerifyCall:
     sampling: SamplingParams
     request_id: str = ""
     logprobs: int | None = None  # None: none; N: each emitted token's and N alternatives'
+    prompt_logprobs: bool = False  # also score tokens[1:] (with the same N alternatives)
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "VerifyCall":
@@ -69,7 +70,8 @@ class VerifyCall:
             draft_dists=dists,
             sampling=sampling,
             request_id=req.request_id[:64],
-            logprobs=int(req.top_logprobs) if req.logprobs else None,
+            logprobs=int(req.top_logprobs) if req.logprobs or req.prompt_logprobs else None,
+            prompt_logprobs=bool(req.prompt_logprobs),
         )
 
 
@@ -87,6 +89,8 @@ class VerifyResult:
     # per emitted token: (logprob, top ids, their logprobs); empty unless asked for
     logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(
         default_factory=list)
+    prompt_logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(
+        default_factory=list)  # of tokens[1:], when asked for
 
 
 def emitted_logprobs(logits: torch.Tensor, tokens: list[int], top: int):
@@ -116,6 +120,7 @@ class VerifyWork:
         self._fed = 0
         self._piece_len = 0
         self._result: VerifyResult | None = None
+        self._prompt_logprobs: list = []
 
     def start(self) -> None:
         c = self.call
@@ -137,7 +142,8 @@ class VerifyWork:
             if budget <= 0:
                 return None
             n = min(budget, remaining - final)
-            prefill, num_logits = True, 0
+            # scoring the prompt: every row of the chunk predicts the token after it
+            prefill, num_logits = True, n if self.call.prompt_logprobs else 0
         else:
             n, prefill, num_logits = remaining, False, final
         self._piece_len = n
@@ -145,10 +151,18 @@ class VerifyWork:
         return Piece(self.session.cache, chunk, num_logits, prefill)
 
     def consume(self, logits: torch.Tensor) -> bool:
+        c = self.call
+        if c.prompt_logprobs and self._fed < len(c.tokens) - 1:
+            # rows of committed tokens (this piece's, or the final piece's first) score the
+            # committed token after each
+            rows = min(self._piece_len, len(c.tokens) - 1 - self._fed)
+            nxt = self._feed[self._fed + 1: self._fed + 1 + rows]
+            self._prompt_logprobs += emitted_logprobs(
+                self.engine.full_vocab_logits(logits[:rows], self.vocab_size), nxt,
+                c.logprobs or 0)
         self._fed += self._piece_len
         if self._fed < len(self._feed):
             return False
-        c = self.call
         k = len(c.draft_tokens)
         logits = self.engine.full_vocab_logits(logits, self.vocab_size)  # [k + 1, vocab]
         drafts = torch.tensor(c.draft_tokens, dtype=torch.long)
@@ -178,7 +192,8 @@ class VerifyWork:
         emitted = c.draft_tokens[:num_accepted] + [next_token]
         logprobs = ([] if c.logprobs is None else
                     emitted_logprobs(logits[: num_accepted + 1], emitted, c.logprobs))
-        self._result = VerifyResult(num_accepted, next_token, len(self.session), logprobs)
+        self._result = VerifyResult(num_accepted, next_token, len(self.session), logprobs,
+                                    self._prompt_logprobs)
         return True
 
     def result(self) -> VerifyResult:

@@ -17,6 +17,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
+def _wire_logprobs(entries) -> list:
+    return [pb.TokenLogprobs(logprob=lp, top_ids=ids, top_logprobs=lps) for lp, ids, lps in entries]
+
+
 class TargetServicer(rpc.CommonServicerMixin, pb_grpc.TargetServiceServicer):
     pb = pb
 
@@ -37,8 +41,8 @@ class TargetServicer(rpc.CommonServicerMixin, pb_grpc.TargetServiceServicer):
             cache_len=result.cache_len,
             compute_ms=work.compute_s * 1000.0,
             batch_size=work.batch_size,
-            logprobs=[pb.TokenLogprobs(logprob=lp, top_ids=ids, top_logprobs=lps)
-                      for lp, ids, lps in result.logprobs],
+            logprobs=_wire_logprobs(result.logprobs),
+            prompt_logprobs=_wire_logprobs(result.prompt_logprobs),
         )
 
     async def Verify(self, request, context):

@@ -364,7 +364,7 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": MSGS, "specdec_k": 999}, "specdec_k"),
     (CHAT, {"model": MODEL, "messages": MSGS, "specdec_rule": "typical"}, "specdec_rule"),
     (CHAT, {"model": MODEL, "messages": MSGS, "specdec_rule": 1}, "specdec_rule"),
-    (COMPLETE, {"model": MODEL, "prompt": "x", "echo": True}, "echo"),
+    (COMPLETE, {"model": MODEL, "prompt": "x", "echo": True, "stream": True}, "echo"),
     (CHAT, {"model": MODEL, "messages": MSGS, "logprobs": True, "top_logprobs": 21},
      "top_logprobs"),
     (CHAT, {"model": MODEL, "messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
@@ -692,3 +692,27 @@ def test_n_choices_are_independent_seeded_generations(api):
                 finished.add(choice.index)
     assert finished == {0, 1, 2}
     assert [texts[i] for i in range(3)] == [c.message.content for c in resp.choices]
+
+
+@pytest.mark.parametrize("words", [6, 320])  # 320 words: a prompt over several prefill chunks
+def test_echo_scores_the_prompt_as_transformers_does(api, tiny_models, tok, words):
+    """echo + logprobs (how lm-eval scores a continuation): the prompt's text and each prompt
+    token's logprob given the ones before it (the first has none), then the completion."""
+    client = openai.OpenAI(base_url=api + "/v1", api_key="unused", max_retries=0)
+    prompt = " ".join(["the quick brown fox jumps over a lazy dog"] * 40).split()[:words]
+    prompt = " ".join(prompt)
+    ids = tok(prompt)["input_ids"]
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                     logprobs=1, echo=True)
+    choice = resp.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    ref = hf_logprobs(tiny_models["target"], ids[:1], ids[1:])  # rows predicting ids[1:]
+    for j, token_id in enumerate(ids[1:]):
+        assert abs(lp.token_logprobs[j + 1] - float(ref[j, token_id])) < 1e-4, j
+    _, greedy = reference(tiny_models, tok, ids, 1)
+    assert lp.tokens[-1] == tok.decode(greedy)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                      echo=True)
+    assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
