@@ -126,6 +126,7 @@ class _GenerationBody(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # not OpenAI's; as in vLLM (1 = none)
     logit_bias: dict[str, Any] | None = None
     # specdec's own extras: how to speculate for this request
     specdec_mode: str | None = None
@@ -418,8 +419,6 @@ class _Front:
         """Refuse options that would change the output and that specdec does not implement."""
         checks = [
             ("n", not 1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}"),
-            ("presence_penalty", body.presence_penalty not in (None, 0.0), "not supported"),
-            ("frequency_penalty", body.frequency_penalty not in (None, 0.0), "not supported"),
             ("logit_bias", bool(body.logit_bias), "not supported"),
         ]
         if isinstance(body, CompletionBody):
@@ -488,10 +487,17 @@ class _Front:
             top_k = 0
         seed = request_seed(body.seed)
         try:
-            sampling = SamplingParams(temperature, top_k, top_p, seed,
-                                      body.specdec_rule or d.rule)
+            sampling = SamplingParams(
+                temperature, top_k, top_p, seed, body.specdec_rule or d.rule,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None
+                else body.repetition_penalty,
+                prompt_len=len(prompt_ids))
         except ValueError as exc:  # its messages start with the field's name
-            field = next((p for p in ("temperature", "top_k", "top_p", "seed", "rule")
+            field = next((p for p in ("temperature", "top_k", "top_p", "seed", "rule",
+                                      "presence_penalty", "frequency_penalty",
+                                      "repetition_penalty")
                           if str(exc).startswith(p)), None)
             raise _invalid(str(exc), "specdec_rule" if field == "rule" else field)
         stop = d.stop if body.stop is None else [body.stop] if isinstance(body.stop, str) \

@@ -30,6 +30,10 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass, in (0, 1]
     seed: int = 0
     rule: str = DEFAULT_RULE  # "coupled" | "rejection" (sampling only; see specdec.acceptance)
+    presence_penalty: float = 0.0  # OpenAI's, on output tokens, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI's, on output tokens, in [-2, 2]
+    repetition_penalty: float = 1.0  # HF's / vLLM's, on prompt and output tokens, > 0
+    prompt_len: int = 0  # leading tokens that are the prompt (not output) for the first two
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= _FLOAT32_MAX):  # also refuses NaN
@@ -41,12 +45,26 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.seed < 2**64):
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # also refuses NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty <= 1e4:
+            raise ValueError(f"repetition_penalty must be in (0, 10000], got "
+                             f"{self.repetition_penalty}")
+        if self.prompt_len < 0:
+            raise ValueError(f"prompt_len must be >= 0, got {self.prompt_len}")
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def drafter_invariant(self) -> bool:
@@ -72,12 +90,19 @@ class SamplingParams:
             top_p=float(msg.top_p) if msg.top_p != 0 else 1.0,
             seed=int(msg.seed),
             rule=_RULE_OF_WIRE[rule_value],
+            presence_penalty=float(msg.presence_penalty),
+            frequency_penalty=float(msg.frequency_penalty),
+            repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty != 0
+            else 1.0,
+            prompt_len=int(msg.prompt_len),
         )
 
     def to_wire(self, pb):
         return pb.SamplingParams(
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-            rule=RULE_NUMBERS[self.rule],
+            rule=RULE_NUMBERS[self.rule], presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, prompt_len=self.prompt_len,
         )
 
 

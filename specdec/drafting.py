@@ -13,7 +13,8 @@ import torch
 
 from specdec.config import MAX_K, SamplingParams
 from specdec.engine import LlamaEngine
-from specdec.sampling import coupled_choice, position_generator, process_logits, sample
+from specdec.sampling import (coupled_choice, penalize, position_generator, process_logits,
+                              sample)
 from specdec.scheduler import Piece
 from specdec.session import SessionStore, resolve
 
@@ -126,6 +127,15 @@ class DraftWork:
             self.session.append(self.drafted[-1:])  # the drafted token just fed
         position = self.call.prefix_len + len(self.call.tokens) + len(self.drafted)
         sampling = self.call.sampling
+        if sampling.penalized:  # as the target will: the draft's tokens are then likelier kept
+            context = self.session.tokens[: self.call.prefix_len] + self.call.tokens + \
+                self.drafted
+            vocab_map = self.engine.vocab_map
+            if vocab_map is None:
+                logits = penalize(logits[-1:], sampling, context)
+            else:  # penalties are over token ids: go through the full vocabulary and back
+                full = self.engine.full_vocab_logits(logits[-1:], self.engine.vocab_in)
+                logits = penalize(full, sampling, context)[:, vocab_map.to(full.device)]
         if sampling.greedy:
             out_id = int(logits[-1].argmax())
         elif sampling.rule == "coupled":

@@ -34,6 +34,39 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logits.softmax(-1)
 
 
+def penalize(logits: torch.Tensor, params: SamplingParams, context: list[int],
+             continuation: list[int] = ()) -> torch.Tensor:
+    """The request's penalties on logits [n, vocab] whose row i follows context +
+    continuation[:i] (a verify block's rows, or one row with continuation empty).
+
+    As vLLM applies them, before temperature: repetition (HF's rule: a logit of a token seen
+    anywhere in prompt or output is divided by the penalty when positive, multiplied when
+    negative), then frequency (minus the penalty per occurrence in the output) and presence
+    (minus the penalty once if it occurs in the output); the output is what follows the first
+    ``params.prompt_len`` tokens. Returns new float32 logits; unchanged when not penalized.
+    """
+    if not params.penalized:
+        return logits
+    n, vocab = logits.shape
+    logits = logits.float().clone()
+    seq = torch.tensor(list(context) + list(continuation), dtype=torch.long)
+    base = len(context)
+    start = min(params.prompt_len, base)
+    for i in range(n):
+        seen = seq[: base + i]
+        if params.repetition_penalty != 1.0 and seen.numel():
+            ids = torch.unique(seen)
+            row = logits[i, ids]
+            r = params.repetition_penalty
+            logits[i, ids] = torch.where(row > 0, row / r, row * r)
+        output = seen[start:]
+        if output.numel() and (params.frequency_penalty or params.presence_penalty):
+            counts = torch.bincount(output, minlength=vocab)[:vocab].float()
+            logits[i] -= params.frequency_penalty * counts
+            logits[i] -= params.presence_penalty * (counts > 0).float()
+    return logits
+
+
 _DOMAINS = {"draft": 1, "target": 2, "coupling": 3}
 
 

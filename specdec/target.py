@@ -9,7 +9,7 @@ import torch
 from specdec.acceptance import verify_coupled, verify_greedy, verify_rejection
 from specdec.config import MAX_K, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.engine import LlamaEngine
-from specdec.sampling import from_sparse, position_generator, process_logits
+from specdec.sampling import from_sparse, penalize, position_generator, process_logits
 from specdec.scheduler import Piece
 from specdec.session import SessionStore, resolve
 
@@ -167,6 +167,9 @@ class VerifyWork:
         logits = self.engine.full_vocab_logits(logits, self.vocab_size)  # [k + 1, vocab]
         drafts = torch.tensor(c.draft_tokens, dtype=torch.long)
         first = c.prefix_len + len(c.tokens)  # position of the first draft token
+        raw = logits  # logprobs are the model's own
+        logits = penalize(logits, c.sampling, self.session.tokens[: c.prefix_len] + c.tokens,
+                          c.draft_tokens)
         if c.sampling.greedy:
             num_accepted, next_token = verify_greedy(drafts, logits)
         elif c.sampling.rule == "coupled":
@@ -191,7 +194,7 @@ class VerifyWork:
         self.session.cache.truncate(c.prefix_len + len(kept))
         emitted = c.draft_tokens[:num_accepted] + [next_token]
         logprobs = ([] if c.logprobs is None else
-                    emitted_logprobs(logits[: num_accepted + 1], emitted, c.logprobs))
+                    emitted_logprobs(raw[: num_accepted + 1], emitted, c.logprobs))
         self._result = VerifyResult(num_accepted, next_token, len(self.session), logprobs,
                                     self._prompt_logprobs)
         return True

@@ -369,6 +369,9 @@ BAD = [
      "top_logprobs"),
     (CHAT, {"model": MODEL, "messages": MSGS, "top_logprobs": 2}, "top_logprobs"),
     (COMPLETE, {"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs"),
+    (CHAT, {"model": MODEL, "messages": MSGS, "presence_penalty": 2.5}, "presence_penalty"),
+    (CHAT, {"model": MODEL, "messages": MSGS, "frequency_penalty": -3}, "frequency_penalty"),
+    (CHAT, {"model": MODEL, "messages": MSGS, "repetition_penalty": 0}, "repetition_penalty"),
     (COMPLETE, {"model": MODEL, "prompt": "x", "logprobs": -1}, "logprobs"),
     (CHAT, [1, 2], None),
     (CHAT, b'{"model": "tiny", "messages": [', None),
@@ -716,3 +719,88 @@ def test_echo_scores_the_prompt_as_transformers_does(api, tiny_models, tok, word
     plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
                                       echo=True)
     assert plain.choices[0].text == choice.text and plain.choices[0].logprobs is None
+
+
+def hf_penalized_greedy(model_dir: str, prompt_ids: list[int], n: int, presence: float,
+                        frequency: float, repetition: float, eos: int) -> list[int]:
+    """Greedy decoding with the penalties computed independently: transformers' own
+    RepetitionPenaltyLogitsProcessor, then OpenAI's presence / frequency formula."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    from specdec.models import load_hf_model
+
+    model, _ = load_hf_model(model_dir)
+    rep = RepetitionPenaltyLogitsProcessor(repetition)
+    ids, out = list(prompt_ids), []
+    with torch.no_grad():
+        for _ in range(n):
+            scores = model(torch.tensor([ids])).logits[:, -1].float()
+            scores = rep(torch.tensor([ids]), scores)[0]
+            for t in set(out):
+                scores[t] -= presence + frequency * out.count(t)
+            token = int(scores.argmax())
+            out.append(token)
+            ids.append(token)
+            if token == eos:
+                break
+    return out
+
+
+@pytest.mark.parametrize("penalties", [dict(presence_penalty=1.5),
+                                       dict(frequency_penalty=2.0),
+                                       dict(repetition_penalty=1.6),
+                                       dict(presence_penalty=-0.5, frequency_penalty=0.4,
+                                            repetition_penalty=1.2)])
+def test_penalties_apply_to_target_and_draft_alike_and_keep_greedy_exact(api, tiny_models, tok,
+                                                                         penalties):
+    client = openai.OpenAI(base_url=api + "/v1", api_key="unused", max_retries=0)
+    ids = tok(PROMPTS[1])["input_ids"]
+    ref = hf_penalized_greedy(tiny_models["target"], ids, 32,
+                              penalties.get("presence_penalty", 0.0),
+                              penalties.get("frequency_penalty", 0.0),
+                              penalties.get("repetition_penalty", 1.0), tok.eos_token_id)
+    plain = hf_greedy(tiny_models["target"], ids, 32)
+    assert ref != plain  # the penalties change this text: the comparison below can fail
+    for mode in ("target-only", "spec", "pipelined"):
+        extra = {"specdec_mode": mode, "specdec_k": 3}
+        if "repetition_penalty" in penalties:
+            extra["repetition_penalty"] = penalties["repetition_penalty"]
+        kw = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
+        resp = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=32,
+                                         temperature=0, extra_body=extra, **kw)
+        assert resp.choices[0].text == tok.decode(ref, skip_special_tokens=True), mode
+    # sampled with the coupled rule: the same text in every mode
+    texts = {client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=24, temperature=1.0, seed=5,
+        frequency_penalty=1.0, extra_body={"specdec_mode": mode, "specdec_k": 3}
+    ).choices[0].text for mode in ("target-only", "spec", "pipelined")}
+    assert len(texts) == 1
+
+
+def test_a_block_is_penalized_row_by_row_as_single_steps_would_be(tiny_services, tiny_models,
+                                                                   tok):
+    """Row i of a verify block sees the block's first i tokens as output: a block of the
+    penalized greedy tokens is accepted whole (here the text repeats a token of the block's
+    second position at its fifth, which only the block's own rows can penalize)."""
+    from orchestrator.clients import History, TargetClient
+    from specdec.config import SamplingParams
+
+    ids = tok(PROMPTS[1])["input_ids"]
+    ref = hf_penalized_greedy(tiny_models["target"], ids, 14, 0.0, 2.0, 1.6, -1)
+    assert hf_greedy(tiny_models["target"], ids, 13)[12] == ref[9] != ref[12]
+    params = SamplingParams(frequency_penalty=2.0, repetition_penalty=1.6, prompt_len=len(ids))
+
+    async def verify():
+        client = TargetClient(tiny_services["target"].address)
+        await client.wait_ready()
+        try:
+            resp, _ = await client.verify("pen-test", History(ids + ref[:8]), ref[8:13], [],
+                                          params)
+            await client.close_session("pen-test")
+            return resp
+        finally:
+            await client.close()
+
+    resp = run(verify())
+    assert (resp.num_accepted, resp.next_token) == (5, ref[13])
