@@ -50,6 +50,20 @@ def register(sub) -> None:
     r.set_defaults(func=cmd_bench_rules)
 
 
+def _prompts(args) -> list:
+    """The first --limit prompts of each set in --prompts."""
+    from bench.harness import load_prompts
+
+    return [p for name in args.prompts for p in load_prompts(name)[: args.limit or None]]
+
+
+def _write(out_dir: str, name: str, report: dict) -> None:
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(report, indent=1))
+    print(f"wrote {out / name}")
+
+
 def _draft_params(params, q_top_k: int):
     """The draft service's q: the request's processing, truncated to its q_top_k tokens."""
     top_k = min(params.top_k, q_top_k) if params.top_k else q_top_k
@@ -119,7 +133,6 @@ def cmd_bench_rules(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from bench.harness import load_prompts
     from orchestrator.cli import encode_prompt
     from specdec.config import SamplingParams
     from specdec.loading import load_engine, resolve_draft_spec
@@ -128,9 +141,7 @@ def cmd_bench_rules(args) -> int:
     target, tokenizer, _ = load_engine(args.target, cpu)
     draft, _, _ = load_engine(resolve_draft_spec(args.draft, args.target), cpu)
     vocab_size = target.vocab_in
-    prompts = []
-    for name in args.prompts:
-        prompts += load_prompts(name)[: args.limit or None]
+    prompts = _prompts(args)
     results = {}
     work = [(t, i) for t in args.temperatures for i in range(len(prompts))]
     per_t: dict[float, dict[str, list[float]]] = {
@@ -171,11 +182,7 @@ def cmd_bench_rules(args) -> int:
     if args.e2e:
         del target, draft
         report["e2e"] = end_to_end(args, [encode_prompt(tokenizer, p, None) for p in prompts])
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "rules.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
+    _write(args.out, "rules.json", report)
     return 0
 
 
@@ -295,15 +302,13 @@ def cmd_bench_divergence(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from bench.harness import SpecdecSystems, load_prompts
+    from bench.harness import SpecdecSystems
     from orchestrator.cli import encode_prompt
     from specdec.config import SamplingParams
     from specdec.loading import load_engine
 
     engine, tokenizer, _ = load_engine(args.target, torch.device("cpu"))
-    prompts = []
-    for name in args.prompts:
-        prompts += load_prompts(name)[: args.limit or None]
+    prompts = _prompts(args)
     ids = [encode_prompt(tokenizer, p, None) for p in prompts]
     systems = ["specdec-target-only", "specdec-spec", "specdec-pipelined"]
     spd = SpecdecSystems(args.target, args.draft, args.threads, systems)
@@ -342,9 +347,5 @@ def cmd_bench_divergence(args) -> int:
             print(f"| {kind} | {s} | {n}/{rows['outputs']} | {m.size} | {m.min():.2e} | "
                   f"{int((m < 1e-3).sum())} | {int((m < 1e-4).sum())} |")
         del rows["margins"]
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "divergence.json"
-    path.write_text(json.dumps(report, indent=1))
-    print(f"wrote {path}")
+    _write(args.out, "divergence.json", report)
     return 0

@@ -34,3 +34,47 @@ def test_bench_prints_the_table_writes_json_and_plots_and_checks_every_system(tm
     assert sum(r["draft_tokens"] for r in spec) > 0  # the near draft was used
     for png in ("tokens_per_s.png", "tokens_per_round.png", "timeline.png"):
         assert (out / png).stat().st_size > 1000
+
+
+def _cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_bench_rules_measures_both_rules_and_the_coupled_texts_agree(tmp_path, tiny_models):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in
+                                 ("Tell me a story.", "Explain gravity.")) + "\n")
+    out = tmp_path / "out"
+    stdout = _cli("bench-rules", "--prompts", str(prompts), "--target", tiny_models["target"],
+                  "--draft", tiny_models["near_draft"], "--max-new-tokens", "10",
+                  "--noise-draws", "24", "--temperatures", "1.0", "--e2e", "--threads", "1",
+                  "--out", str(out))
+    assert "| 1.0 | spec coupled |" in stdout and "| 1.0 | pipelined rejection |" in stdout
+    data = json.loads((out / "rules.json").read_text())
+    r = data["results"]["1.0"]
+    assert 0.0 < r["coupled_floor"] <= r["rejection"] <= 1.0
+    # the estimate of the coupled rule's acceptance lies between its floor and 1 - TV
+    assert r["coupled_floor"] - 0.1 < r["coupled"] < r["rejection"] + 0.1
+    e2e = data["e2e"]
+    for label in ("spec coupled", "pipelined coupled"):
+        row = e2e[f"1.0|{label}"]
+        assert row["same_as_target_only"] == row["runs"] == 2, label
+    assert e2e["1.0|spec rejection"]["drafted"] > 0
+
+
+def test_bench_divergence_counts_differences_and_margins(tmp_path, tiny_models):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Tell me a story."}) + "\n")
+    out = tmp_path / "out"
+    stdout = _cli("bench-divergence", "--prompts", str(prompts), "--target",
+                  tiny_models["target"], "--draft", tiny_models["near_draft"],
+                  "--max-new-tokens", "12", "--threads", "1", "--out", str(out))
+    data = json.loads((out / "divergence.json").read_text())
+    assert set(data) == {"greedy", "coupled T=0.8"}
+    for kind, rows in data.items():
+        assert rows["differ"] == {"specdec-spec": 0, "specdec-pipelined": 0}, kind
+        assert rows["positions"] == 12 and 0 < rows["smallest_margins"][0] < float("inf")
+    assert "| greedy | specdec-spec | 0/1 | 12 |" in stdout
