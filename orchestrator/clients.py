@@ -283,17 +283,14 @@ class TargetClient(ServiceClient):
 
     role = "target"
 
-    def __init__(self, *args, use_stream: bool = True, unavailable_deadline_s: float = 60.0,
-                 **kwargs):
+    def __init__(self, *args, unavailable_deadline_s: float = 60.0, **kwargs):
         super().__init__(*args, **kwargs)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.unavailable_deadline_s = unavailable_deadline_s
-        self.use_stream = use_stream
         self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
 
     async def _call(self, session_id: str, req: pb.VerifyRequest) -> pb.VerifyResponse:
-        if not self.use_stream:
-            return await self.stub.Verify(req, timeout=self.timeout_s)
+        """One verify over the session's stream (opened on its first call)."""
         call = self._streams.get(session_id)
         if call is None:
             call = self._streams[session_id] = self.stub.VerifyStream()

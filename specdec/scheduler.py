@@ -97,7 +97,6 @@ class BatchScheduler:
         self._cond = threading.Condition()
         self._stop = False
         self.forward_passes = 0
-        self.last_batch_size = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -204,7 +203,6 @@ class BatchScheduler:
             return
         elapsed = time.perf_counter() - started
         self.forward_passes += 1
-        self.last_batch_size = len(pieces)
         for (entry, _), lg in zip(pieces, logits):
             entry.work.compute_s += elapsed
             entry.work.batch_size = len(pieces)

@@ -45,11 +45,6 @@ class DraftServiceStub:
                 request_serializer=specdec_dot_wire_dot_specdec__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specdec_dot_wire_dot_specdec__pb2.DraftResponse.FromString,
                 _registered_method=True)
-        self.ProposeStream = channel.stream_stream(
-                '/specdec.v1.DraftService/ProposeStream',
-                request_serializer=specdec_dot_wire_dot_specdec__pb2.DraftRequest.SerializeToString,
-                response_deserializer=specdec_dot_wire_dot_specdec__pb2.DraftResponse.FromString,
-                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specdec.v1.DraftService/CloseSession',
                 request_serializer=specdec_dot_wire_dot_specdec__pb2.CloseRequest.SerializeToString,
@@ -75,14 +70,8 @@ class DraftServiceServicer:
 
     def Propose(self, request, context):
         """One call: (truncate to prefix,) append tokens, propose k.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ProposeStream(self, request_iterator, context):
-        """The same over a bidirectional stream, one response per request, in order: the round loop
-        of one generation keeps one stream open.
+        (Unary on purpose: a speculative propose is cancelled by cancelling its call, which a
+        shared stream could not do without dropping the calls queued behind it.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,11 +101,6 @@ def add_DraftServiceServicer_to_server(servicer, server):
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
-                    request_deserializer=specdec_dot_wire_dot_specdec__pb2.DraftRequest.FromString,
-                    response_serializer=specdec_dot_wire_dot_specdec__pb2.DraftResponse.SerializeToString,
-            ),
-            'ProposeStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.ProposeStream,
                     request_deserializer=specdec_dot_wire_dot_specdec__pb2.DraftRequest.FromString,
                     response_serializer=specdec_dot_wire_dot_specdec__pb2.DraftResponse.SerializeToString,
             ),
@@ -184,33 +168,6 @@ class DraftService:
             request,
             target,
             '/specdec.v1.DraftService/Propose',
-            specdec_dot_wire_dot_specdec__pb2.DraftRequest.SerializeToString,
-            specdec_dot_wire_dot_specdec__pb2.DraftResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ProposeStream(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/specdec.v1.DraftService/ProposeStream',
             specdec_dot_wire_dot_specdec__pb2.DraftRequest.SerializeToString,
             specdec_dot_wire_dot_specdec__pb2.DraftResponse.FromString,
             options,
