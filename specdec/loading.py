@@ -7,7 +7,7 @@ import logging
 import torch
 
 from specdec.config import ServiceConfig
-from specdec.engine import ArchConfig, LlamaEngine, canonical_weights
+from specdec.engine import ArchConfig, LlamaEngine
 from specdec.models import load_hf_model, pick_device, resolve_model_dir
 from specdec.runtime import DraftRuntime, ModelInfo, TargetRuntime
 from specdec.tokenizer import eos_token_ids, fingerprint
@@ -31,9 +31,7 @@ def load_engine(spec: str, device: torch.device, kernels: str = "auto"):
         return draft_model.load_engine(spec, device, kernels)
     check_architecture(spec)  # refuse before reading any weights
     model, tokenizer = load_hf_model(spec)
-    arch = ArchConfig.from_hf(model.config)
-    engine = LlamaEngine(arch, canonical_weights(model.state_dict(), arch), device, kernels)
-    return engine, tokenizer, model.config
+    return LlamaEngine.from_hf(model, device, kernels), tokenizer, model.config
 
 
 def check_architecture(spec: str) -> ArchConfig:
