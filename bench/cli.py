@@ -223,7 +223,7 @@ def _in_service_verify_ms(target: str, threads: int, prompt: list[int], ms, reps
     """compute_ms of verify calls over m tokens (m - 1 drafts) in a local target service."""
     import asyncio
 
-    from orchestrator.clients import History, TargetClient
+    from orchestrator.service_clients import History, TargetClient
     from orchestrator.local import ServiceProcess, service_args
     from specdec.config import SamplingParams
 

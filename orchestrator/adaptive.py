@@ -81,7 +81,7 @@ class LiveCosts(Costs):
     decay: float = 0.9
 
     def observe(self, rec) -> None:
-        """Fold in one call (an orchestrator.clients.CallRecord)."""
+        """Fold in one call (an orchestrator.service_clients.CallRecord)."""
         if rec.outcome != "ok" or rec.re_prefilled or rec.sent_tokens > MAX_STEADY_TOKENS:
             return  # cancelled, or a prefill: not what a steady round costs
         beyond = max(0.0, (rec.end - rec.start) * 1000.0 - rec.compute_ms)

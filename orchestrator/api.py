@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orchestrator.clients import ServiceError
+from orchestrator.service_clients import ServiceError
 from orchestrator.loop import MODES, GenerationRequest
 from orchestrator.metrics import CONTENT_TYPE, Metrics
 from specdec.config import DEFAULT_RULE, MAX_TOP_LOGPROBS, SamplingParams

@@ -24,7 +24,7 @@ import uuid
 from typing import AsyncIterator
 
 from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
-from orchestrator.clients import CallRecord, DraftClient, History, ServiceError, TargetClient
+from orchestrator.service_clients import CallRecord, DraftClient, History, ServiceError, TargetClient
 from orchestrator.text import TextStream
 from specdec.config import MAX_K, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.drafting import lookup

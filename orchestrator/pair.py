@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from orchestrator.clients import DraftClient, TargetClient
+from orchestrator.service_clients import DraftClient, TargetClient
 from orchestrator.loop import Orchestrator
 from specdec.models import load_tokenizer
 from specdec.tokenizer import fingerprint

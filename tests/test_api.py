@@ -622,7 +622,7 @@ def test_chat_logprobs_are_the_targets_own(api, tiny_models, tok, mode):
 def test_verify_returns_logprobs_of_accepted_and_bonus_rows(tiny_services, tiny_models, tok):
     """A block the target accepts whole: every emitted token's logprob (block rows and the
     bonus) is transformers' at that position."""
-    from orchestrator.clients import History, TargetClient
+    from orchestrator.service_clients import History, TargetClient
     from specdec.config import SamplingParams
 
     prompt_ids = chat_ids(tok, PROMPT)
@@ -783,7 +783,7 @@ def test_a_block_is_penalized_row_by_row_as_single_steps_would_be(tiny_services,
     """Row i of a verify block sees the block's first i tokens as output: a block of the
     penalized greedy tokens is accepted whole (here the text repeats a token of the block's
     second position at its fifth, which only the block's own rows can penalize)."""
-    from orchestrator.clients import History, TargetClient
+    from orchestrator.service_clients import History, TargetClient
     from specdec.config import SamplingParams
 
     ids = tok(PROMPTS[1])["input_ids"]

@@ -3,7 +3,7 @@
 import random
 
 from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
-from orchestrator.clients import CallRecord
+from orchestrator.service_clients import CallRecord
 
 # T(m) ms, m = 1..16, as calibrated on a 2-core CPU: flat to m ~ 6, then ~1 ms per token
 CURVE = [30.0, 31, 31, 31, 31, 32, 33, 35, 36, 37, 38, 39, 40, 41, 43, 44]

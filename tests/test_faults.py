@@ -8,7 +8,7 @@ import socket
 import pytest
 
 from conftest import hf_greedy, run
-from orchestrator.clients import ServiceError
+from orchestrator.service_clients import ServiceError
 from orchestrator.local import ServiceProcess, service_args
 from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect

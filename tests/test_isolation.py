@@ -6,7 +6,7 @@ import pytest
 
 from conftest import run
 from orchestrator.api import api_key_matches
-from orchestrator.clients import History
+from orchestrator.service_clients import History
 from orchestrator.loop import GenerationRequest, GenerationStats
 from orchestrator.pair import close, connect
 from specdec.config import MAX_K, ServiceConfig

@@ -18,7 +18,7 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from orchestrator import ray_app  # noqa: E402
-from orchestrator.clients import DraftClient, TargetClient  # noqa: E402
+from orchestrator.service_clients import DraftClient, TargetClient  # noqa: E402
 from orchestrator.routing import rendezvous  # noqa: E402
 
 PROMPTS = [[1, 520, 3300, 12, 99, 7], list(range(2000, 2030)), [5, 6, 7, 5, 6, 7, 5, 6]]

@@ -20,7 +20,7 @@ import pytest
 
 from certs import CA
 from conftest import REPO, ServiceThread, hf_greedy, run
-from orchestrator.clients import ServiceError
+from orchestrator.service_clients import ServiceError
 from orchestrator.local import ServiceProcess, service_args
 from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect
