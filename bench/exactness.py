@@ -307,6 +307,9 @@ def cmd_bench_divergence(args) -> int:
     from specdec.config import SamplingParams
     from specdec.loading import load_engine
 
+    # One thread: this process only scores margins between runs, and its OpenMP pool must not
+    # spin on the cores the services are generating on.
+    torch.set_num_threads(1)
     engine, tokenizer, _ = load_engine(args.target, torch.device("cpu"))
     prompts = _prompts(args)
     ids = [encode_prompt(tokenizer, p, None) for p in prompts]
