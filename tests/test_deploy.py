@@ -377,3 +377,21 @@ def test_ray_cluster_yaml_passes_the_autoscaler_schema():
     cluster["available_node_types"]["draft_gpu"]["resources"]["draft_node"] = "one"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(cluster, schema)
+
+
+def test_the_gpu_ray_config_is_the_example_with_one_gpu_per_service():
+    """deploy/ray/config-gpu.yaml (for the README's GPU cluster) differs from the documented
+    example only in asking each service actor for a GPU and running it on CUDA."""
+    import dataclasses
+
+    from orchestrator import ray_app
+
+    cpu = ray_app.RayAppConfig.load(str(REPO / "deploy/ray/config.yaml"))
+    gpu = ray_app.RayAppConfig.load(str(REPO / "deploy/ray/config-gpu.yaml"))
+    for group in ("target", "draft"):
+        a, b = getattr(cpu, group), getattr(gpu, group)
+        assert (a.num_gpus, b.num_gpus) == (0, 1), group
+        assert b.service_config().device == "cuda"
+        assert dataclasses.replace(b.service_config(), device="auto") == a.service_config()
+        assert (a.resources, a.replicas, a.bind_host) == (b.resources, b.replicas, b.bind_host)
+    assert cpu.orchestrator == gpu.orchestrator and cpu.http == gpu.http
