@@ -5,10 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import signal
+import subprocess
+import sys
 import threading
+import time
 
+import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -169,3 +175,139 @@ def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> lis
 
 
 _hf_cache: dict = {}
+
+
+# ---- shared by several test modules (not imported from each other) ----------------------
+
+MODEL = "tiny"  # the model name the test API servers serve
+
+
+class ApiHost:
+    """An event loop in a thread holding an Orchestrator over real services, and real uvicorn
+    servers (port 0) of apps over it: gRPC channels belong to the loop that made them."""
+
+    def __init__(self, target_addr: str, draft_addr: str | None):
+        from orchestrator.pair import connect
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.orch = self.call(connect(target_addr, draft_addr, tokenizer_spec="default",
+                                      target_deadline_s=2.0))
+        self.servers = []
+
+    def call(self, coro, timeout: float = 300):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def serve(self, app=None, **kw) -> str:
+        """Serve ``app`` (default: a fresh create_app over the orchestrator); its base URL."""
+        import uvicorn
+
+        from orchestrator.api import create_app
+
+        async def start():
+            server = uvicorn.Server(uvicorn.Config(
+                app or create_app(self.orch, MODEL, **kw), host="127.0.0.1", port=0,
+                log_config=None, access_log=False, lifespan="off"))
+            task = asyncio.ensure_future(server.serve())
+            while not server.started:
+                if task.done():
+                    task.result()
+                await asyncio.sleep(0.01)
+            self.servers.append((server, task))
+            return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+
+        return self.call(start())
+
+    def stop(self) -> None:
+        from orchestrator.pair import close
+
+        async def stop():
+            for server, _ in self.servers:
+                server.should_exit = True
+            await asyncio.gather(*(task for _, task in self.servers), return_exceptions=True)
+            await close(self.orch)
+
+        self.call(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+async def generate_on(services, draft_key, prompt, mode, k, max_new=40, sampling=None, hook=None):
+    """One generation over the services (draft_key None: target-only); its result. hook(n)
+    is awaited after the n-th streamed delta."""
+    from orchestrator.loop import GenerationRequest
+    from orchestrator.pair import close, connect
+    from specdec.config import SamplingParams
+
+    draft = services[draft_key].address if draft_key else None
+    orch = await connect(services["target"].address, draft, tokenizer_spec="default")
+    try:
+        req = GenerationRequest(prompt, max_new, sampling or SamplingParams(), [], mode, k)
+        result = None
+        n = 0
+        async for item in orch.stream(req):
+            if hasattr(item, "stats"):
+                result = item
+            else:
+                n += 1
+                if hook:
+                    await hook(n)
+        return result
+    finally:
+        await close(orch)
+
+
+KEY = "sekret"  # the API key of serve_with_key
+
+
+def child_pids(pid: int) -> set[int]:
+    """Process ids whose parent is ``pid`` (Linux /proc)."""
+    out = set()
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.add(int(stat.parent.name))
+    return out
+
+
+@pytest.fixture(scope="module")
+def serve_with_key(tmp_path_factory):
+    """`specdec serve` on the real default pair (it starts its services), with API key KEY:
+    (process, base URL, log path)."""
+    d = tmp_path_factory.mktemp("serve")
+    port_file, log_path = d / "port", d / "log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", "--port-file",
+             str(port_file), "--api-key", KEY], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 900
+        while not port_file.exists():
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "specdec serve did not start"
+            time.sleep(0.5)
+        url = f"http://127.0.0.1:{port_file.read_text()}"
+        yield proc, url, log_path
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def scrape(url: str, **kw) -> dict:
+    """/metrics as {(sample name, sorted labels without model_name): value}."""
+    text = httpx.get(url + "/metrics", **kw).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[(s.name, labels)] = s.value
+    return out

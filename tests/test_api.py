@@ -6,70 +6,21 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import JSONResponse, Response
 
-from conftest import ServiceThread, hf_greedy, run
-from orchestrator.api import ServeDefaults, create_app
+from conftest import MODEL, ApiHost, ServiceThread, hf_greedy, run, scrape
+from orchestrator.api import ServeDefaults
 from orchestrator.client import (AsyncSpecdecClient, AuthenticationError, BadRequestError,
                                  ServerError, SpecdecClient, SpecdecConnectionError)
-from orchestrator.pair import close, connect
 from specdec.models import load_tokenizer
 
-MODEL = "tiny"
 PROMPT = "What is the capital of France?"
 PROMPTS = [PROMPT, "Write a short poem about the sea.", "List three fruits."]
-
-
-class ApiHost:
-    """An event loop in a thread holding an Orchestrator over real services, and real uvicorn
-    servers (port 0) of apps over it: gRPC channels belong to the loop that made them."""
-
-    def __init__(self, target_addr: str, draft_addr: str | None):
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.orch = self.call(connect(target_addr, draft_addr, tokenizer_spec="default",
-                                      target_deadline_s=2.0))
-        self.servers = []
-
-    def call(self, coro, timeout: float = 300):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def serve(self, app=None, **kw) -> str:
-        """Serve ``app`` (default: a fresh create_app over the orchestrator); its base URL."""
-
-        async def start():
-            server = uvicorn.Server(uvicorn.Config(
-                app or create_app(self.orch, MODEL, **kw), host="127.0.0.1", port=0,
-                log_config=None, access_log=False, lifespan="off"))
-            task = asyncio.ensure_future(server.serve())
-            while not server.started:
-                if task.done():
-                    task.result()
-                await asyncio.sleep(0.01)
-            self.servers.append((server, task))
-            return f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-
-        return self.call(start())
-
-    def stop(self) -> None:
-        async def stop():
-            for server, _ in self.servers:
-                server.should_exit = True
-            await asyncio.gather(*(task for _, task in self.servers), return_exceptions=True)
-            await close(self.orch)
-
-        self.call(stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -100,17 +51,6 @@ def reference(tiny_models, tok, prompt_ids: list[int], n: int) -> tuple[str, lis
     """Target-only greedy text and ids from transformers (stops after EOS)."""
     ids = hf_greedy(tiny_models["target"], prompt_ids, n)
     return tok.decode(ids, skip_special_tokens=True), ids
-
-
-def scrape(url: str, **kw) -> dict:
-    """/metrics as {(sample name, sorted labels without model_name): value}."""
-    text = httpx.get(url + "/metrics", **kw).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
-            out[(s.name, labels)] = s.value
-    return out
 
 
 def delta(after: dict, before: dict, name: str, **labels) -> float:

@@ -4,75 +4,22 @@ openai package: the README's "done when"."""
 from __future__ import annotations
 
 import os
-import pathlib
 import signal
-import subprocess
-import sys
 import time
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import CHAT_PROMPTS, hf_greedy
+from conftest import CHAT_PROMPTS, KEY, hf_greedy, scrape
 
 pytestmark = pytest.mark.real
 
 MAX_NEW = 32
-KEY = "sekret"
-
-
-def _children(pid: int) -> set[int]:
-    """Process ids whose parent is ``pid`` (Linux /proc)."""
-    out = set()
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.add(int(stat.parent.name))
-    return out
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("serve")
-    port_file, log_path = d / "port", d / "log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", "--port-file",
-             str(port_file), "--api-key", KEY], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 900
-        while not port_file.exists():
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "specdec serve did not start"
-            time.sleep(0.5)
-        url = f"http://127.0.0.1:{port_file.read_text()}"
-        yield proc, url, log_path
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _scrape(url: str) -> dict:
-    text = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))):
-            s.value for f in text_string_to_metric_families(text) for s in f.samples}
-
-
-def test_openai_streams_the_target_only_greedy_answer(server):
+def test_openai_streams_the_target_only_greedy_answer(serve_with_key):
     from orchestrator.cli import encode_prompt
     from specdec.models import load_tokenizer
 
-    _, url, _ = server
+    _, url, _ = serve_with_key
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY)
     tok = load_tokenizer("default")
     prompt = CHAT_PROMPTS[0]
@@ -102,16 +49,16 @@ def test_openai_streams_the_target_only_greedy_answer(server):
     assert plain.model_extra["specdec"]["draft_tokens"] == 0
 
 
-def test_metrics_show_the_acceptance_counters_and_the_log_has_the_request(server):
-    _, url, log_path = server
+def test_metrics_show_the_acceptance_counters_and_the_log_has_the_request(serve_with_key):
+    _, url, log_path = serve_with_key
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY)
-    before = _scrape(url)
+    before = scrape(url, headers={"Authorization": f"Bearer {KEY}"})
     r = client.chat.completions.create(
         model="specdec", messages=[{"role": "user", "content": CHAT_PROMPTS[1]}],
         max_tokens=MAX_NEW, temperature=0, extra_body={"specdec_k": 4},
         extra_headers={"X-Request-Id": "real-metrics-1"})
     spec = r.model_extra["specdec"]
-    after = _scrape(url)
+    after = scrape(url, headers={"Authorization": f"Bearer {KEY}"})
 
     def d(name, **labels):
         key = ("specdec:" + name, tuple(sorted(labels.items())))
@@ -131,8 +78,8 @@ def test_metrics_show_the_acceptance_counters_and_the_log_has_the_request(server
     assert f"accepted_tokens={spec['accepted_tokens']}" in line and "ttft_s=" in line
 
 
-def test_sigterm_stops_the_server_and_its_services(server):
-    proc, url, _ = server
+def test_sigterm_stops_the_server_and_its_services(serve_with_key):
+    proc, url, _ = serve_with_key
     children = _children(proc.pid)
     assert len(children) == 2  # the target and draft services it started
     proc.send_signal(signal.SIGTERM)

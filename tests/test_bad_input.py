@@ -13,14 +13,13 @@ import grpc
 import httpx
 import pytest
 
-from conftest import ServiceThread, hf_greedy, run
+from conftest import MODEL, ApiHost, ServiceThread, hf_greedy, run
 from orchestrator.api import ServeDefaults
 from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect
 from specdec.models import load_tokenizer
 from specdec.session import rolling_hash
 from specdec.wire import specdec_pb2 as pb
-from test_api import MODEL, ApiHost
 
 MAX_MESSAGE_BYTES = 64 * 1024
 VERIFY = "/specdec.v1.TargetService/Verify"

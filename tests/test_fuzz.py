@@ -15,12 +15,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import ServiceThread
+from conftest import MODEL, ApiHost, ServiceThread
 from orchestrator.api import ServeDefaults
 from specdec.session import rolling_hash
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc
-from test_api import MODEL, ApiHost
 
 # SPECDEC_FUZZ_EXAMPLES=1000 for a longer run
 FUZZ = settings(max_examples=int(os.environ.get("SPECDEC_FUZZ_EXAMPLES", "60")), deadline=None,

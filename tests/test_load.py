@@ -13,12 +13,10 @@ import statistics
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 
-from conftest import CHAT_PROMPTS
-from test_api_real import KEY, _children, _scrape, server  # noqa: F401 (server: a fixture)
+from conftest import CHAT_PROMPTS, KEY, child_pids, scrape
 
 pytestmark = pytest.mark.real
 
@@ -55,7 +53,7 @@ def _rss_kib(pid: int, field: str = "VmRSS") -> int:
 def _service_pids(serve_pid: int) -> dict[str, int]:
     """The target and draft service processes ``specdec serve`` started."""
     pids = {}
-    for pid in _children(serve_pid):
+    for pid in child_pids(serve_pid):
         cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         for role in ("target", "draft"):
             if f"{role}_service".encode() in cmdline:
@@ -75,7 +73,7 @@ class Sampler(threading.Thread):
         self.stop = threading.Event()
 
     def gauges(self) -> dict:
-        m = _scrape(self.url)
+        m = scrape(self.url, headers={"Authorization": f"Bearer {KEY}"})
         out = {}
         for role in ("target", "draft"):
             labels = (("service", role),)
@@ -152,8 +150,8 @@ def _mib(kib: float) -> float:
     return kib / 1024.0
 
 
-def test_16_streaming_clients_for_60s(server, tmp_path):
-    proc, url, _ = server
+def test_16_streaming_clients_for_60s(serve_with_key, tmp_path):
+    proc, url, _ = serve_with_key
     pids = _service_pids(proc.pid)
     references = _references(url)
 

@@ -5,11 +5,10 @@ import collections
 import pytest
 import torch
 
-from conftest import ServiceThread, run
+from conftest import generate_on, run
 from orchestrator.adaptive import KController, expected_tokens
 from specdec.config import SamplingParams
 from specdec.sampling import process_logits
-from test_services import _generate
 
 SAMPLING = dict(temperature=0.7, top_k=4)
 PROMPT = [1, 520, 3300, 12, 99, 7]
@@ -71,9 +70,9 @@ def test_the_draft_distribution_alone_would_fail_that_bound(tiny_models):
 
 def test_same_seed_same_text(tiny_services):
     params = SamplingParams(temperature=1.0, seed=1234)
-    a = run(_generate(tiny_services, "draft", PROMPT, "pipelined", 3, max_new=24, sampling=params))
-    b = run(_generate(tiny_services, "draft", PROMPT, "pipelined", 3, max_new=24, sampling=params))
-    c = run(_generate(tiny_services, "draft", PROMPT, "pipelined", 3, max_new=24,
+    a = run(generate_on(tiny_services, "draft", PROMPT, "pipelined", 3, max_new=24, sampling=params))
+    b = run(generate_on(tiny_services, "draft", PROMPT, "pipelined", 3, max_new=24, sampling=params))
+    c = run(generate_on(tiny_services, "draft", PROMPT, "pipelined", 3, max_new=24,
                       sampling=SamplingParams(temperature=1.0, seed=99)))
     assert a.token_ids == b.token_ids
     assert a.token_ids != c.token_ids

@@ -3,10 +3,8 @@
 import grpc
 import pytest
 
-from conftest import ServiceThread, hf_greedy, make_tiny_model, run
-from orchestrator.loop import GenerationRequest
-from orchestrator.pair import TokenizerMismatch, close, connect
-from specdec.config import SamplingParams
+from conftest import ServiceThread, generate_on, hf_greedy, make_tiny_model, run
+from orchestrator.pair import TokenizerMismatch, connect
 from specdec.session import rolling_hash
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc
@@ -23,32 +21,13 @@ def _close_leftover_sessions(tiny_services):
             svc.runtime.store.close(sid)
 
 
-async def _generate(services, draft_key, prompt, mode, k, max_new=40, sampling=None, hook=None):
-    draft = services[draft_key].address if draft_key else None
-    orch = await connect(services["target"].address, draft, tokenizer_spec="default")
-    try:
-        req = GenerationRequest(prompt, max_new, sampling or SamplingParams(), [], mode, k)
-        result = None
-        n = 0
-        async for item in orch.stream(req):
-            if hasattr(item, "stats"):
-                result = item
-            else:
-                n += 1
-                if hook:
-                    await hook(n)
-        return result
-    finally:
-        await close(orch)
-
-
 @pytest.mark.parametrize("mode", ["target-only", "spec", "pipelined"])
 @pytest.mark.parametrize("draft_key", ["draft", "self_draft", "ngram"])
 @pytest.mark.parametrize("k", [3, None])
 def test_greedy_output_equals_transformers(tiny_models, tiny_services, mode, draft_key, k):
     for prompt in PROMPTS:
         ref = hf_greedy(tiny_models["target"], prompt, 40)
-        result = run(_generate(tiny_services, draft_key, prompt, mode, k))
+        result = run(generate_on(tiny_services, draft_key, prompt, mode, k))
         assert result.token_ids == ref[: len(result.token_ids)]
         assert len(result.token_ids) == 40 or result.finish_reason == "stop"
         if mode == "target-only":
@@ -56,13 +35,13 @@ def test_greedy_output_equals_transformers(tiny_models, tiny_services, mode, dra
 
 
 def test_self_draft_accepts_everything(tiny_services):
-    result = run(_generate(tiny_services, "self_draft", PROMPTS[1], "spec", 4))
+    result = run(generate_on(tiny_services, "self_draft", PROMPTS[1], "spec", 4))
     assert result.stats.acceptance_rate == 1.0
     assert result.stats.rounds == 8  # 40 tokens at 5 per round
 
 
 def test_bad_draft_rejections_and_pipeline_drops_are_counted(tiny_models, tiny_services):
-    result = run(_generate(tiny_services, "draft", PROMPTS[0], "pipelined", 3))
+    result = run(generate_on(tiny_services, "draft", PROMPTS[0], "pipelined", 3))
     s = result.stats
     assert s.draft_tokens > s.accepted_tokens  # rejections happened
     assert s.pipeline_misses > 0  # speculative blocks were dropped and the draft rolled back
@@ -80,13 +59,13 @@ def test_lost_sessions_are_re_prefilled_without_changing_text(tiny_models, tiny_
         return hook
 
     prompt = PROMPTS[1]
-    result = run(_generate(tiny_services, "self_draft", prompt, "spec", 3, hook=drop_all(2)))
+    result = run(generate_on(tiny_services, "self_draft", prompt, "spec", 3, hook=drop_all(2)))
     assert result.stats.re_prefills >= 2  # both services lost it and were re-prefilled
     assert result.token_ids == hf_greedy(tiny_models["target"], prompt, 40)
 
 
 def test_sessions_are_released_after_generation(tiny_services):
-    run(_generate(tiny_services, "draft", PROMPTS[0], "pipelined", 3))
+    run(generate_on(tiny_services, "draft", PROMPTS[0], "pipelined", 3))
     assert len(tiny_services["target"].runtime.store) == 0
     assert len(tiny_services["draft"].runtime.store) == 0
 
@@ -190,7 +169,7 @@ def test_services_log_one_line_per_request(tiny_services, caplog):
     import logging
 
     caplog.set_level(logging.INFO, logger="specdec.session")
-    result = run(_generate(tiny_services, "self_draft", PROMPTS[0], "spec", 3))
+    result = run(generate_on(tiny_services, "self_draft", PROMPTS[0], "spec", 3))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("closed ")]
     assert len(lines) == 2  # one per service
     rid = result.request_id
