@@ -339,14 +339,9 @@ def _extensions():
     """Subcommands that live in their own modules."""
     import importlib
 
-    for module in ("orchestrator.serve_cli", "bench.cli", "specdec.distill_cli", "orchestrator.ray_cli"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            continue
-        yield mod.register
+    for module in ("orchestrator.serve_cli", "bench.cli", "specdec.distill_cli",
+                   "orchestrator.ray_cli"):
+        yield importlib.import_module(module).register
 
 
 def main(argv=None) -> int:

@@ -485,21 +485,11 @@ def native_routes(router, api_key: str | None) -> fastapi.APIRouter:
 
 
 def build_front(router, opts: IngressOptions) -> fastapi.FastAPI:
-    """The HTTP app of a replica: the OpenAI-compatible API when orchestrator.api exists
-    (else a minimal app with GET /health), plus the native routes."""
-    api_key = opts.api_key or os.environ.get("SPECDEC_API_KEY") or None
-    try:
-        from orchestrator.api import create_app
-    except ModuleNotFoundError as exc:
-        if exc.name != "orchestrator.api":
-            raise
-        app = fastapi.FastAPI(title="specdec")
+    """The HTTP app of a replica: the OpenAI-compatible API plus the native routes."""
+    from orchestrator.api import create_app
 
-        @app.get("/health")
-        async def health() -> dict:
-            return dict(status="ok", pairs=len(router.pairs))
-    else:
-        app = create_app(router, opts.model_name, api_key=api_key)
+    api_key = opts.api_key or os.environ.get("SPECDEC_API_KEY") or None
+    app = create_app(router, opts.model_name, api_key=api_key)
     app.include_router(native_routes(router, api_key))
     return app
 
