@@ -16,7 +16,6 @@ Recipe (what measured best here, see docs/draft.md):
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import pathlib
@@ -24,7 +23,6 @@ import random
 import time
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec import draft_model
@@ -304,7 +302,6 @@ def measure_cost_ratio(draft_engine: LlamaEngine, target_engine: LlamaEngine, re
 
 def evaluate(draft_dir: str, held_out: list[dict], threads: int = 1) -> dict:
     """Held-out figures of a draft: acceptance, tokens per round k=1..8, cost, speedups."""
-    from orchestrator.adaptive import expected_tokens  # noqa: F401  (same model as the loop)
     from specdec.loading import load_engine
 
     torch.set_num_threads(threads)

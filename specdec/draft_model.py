@@ -262,7 +262,7 @@ def to_hf_model(path):
         max_position_embeddings=a.max_context, tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
-    hq, hkv, d = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.head_dim
+    hq, hkv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     sd = {"model.embed_tokens.weight": embed, "model.norm.weight": weights["norm"].float()}
     for i in range(a.num_layers):
         p, w = f"model.layers.{i}.", lambda n: weights[f"layers.{i}.{n}"].float()

@@ -66,9 +66,7 @@ def make_tiny_model(path: pathlib.Path, seed: int, layers: int = 2, hidden: int 
     with torch.no_grad():  # sharper logits than the default init: fewer near-ties in argmax
         model.lm_head.weight.mul_(20.0)
         if noise:
-            g = torch.Generator().manual_seed(seed + 1000)
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * noise * p.abs().mean())
+            perturb(model, seed, noise)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -84,6 +82,27 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
         # the target with noise: agrees often but not always (exercises both branches)
         "near_draft": str(make_tiny_model(root / "near", seed=1, layers=2, noise=0.15)),
     }
+
+
+def perturb(model, seed: int, noise: float) -> None:
+    """Add Gaussian noise of relative scale ``noise`` to every weight, in place: a draft that
+    agrees with the unperturbed model often but not always."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise * p.abs().mean())
+
+
+def wait_for_port_file(proc, port_file: pathlib.Path, log_path: pathlib.Path,
+                       timeout: float, what: str = "specdec serve") -> int:
+    """The port a started server writes to ``port_file``; fails with its log's tail if the
+    process exits or ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while not port_file.exists():
+        assert proc.poll() is None, log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{what} did not start"
+        time.sleep(0.2)
+    return int(port_file.read_text())
 
 
 class ServiceThread:
@@ -180,6 +199,8 @@ _hf_cache: dict = {}
 # ---- shared by several test modules (not imported from each other) ----------------------
 
 MODEL = "tiny"  # the model name the test API servers serve
+# Token-id prompts for the tiny models: short, longer, and repetitive (n-gram drafts match)
+TOKEN_PROMPTS = [[1, 520, 3300, 12, 99, 7], list(range(2000, 2040)), [5, 6, 7, 5, 6, 7, 5, 6]]
 
 
 class ApiHost:
@@ -285,12 +306,7 @@ def serve_with_key(tmp_path_factory):
             [sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", "--port-file",
              str(port_file), "--api-key", KEY], stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 900
-        while not port_file.exists():
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "specdec serve did not start"
-            time.sleep(0.5)
-        url = f"http://127.0.0.1:{port_file.read_text()}"
+        url = f"http://127.0.0.1:{wait_for_port_file(proc, port_file, log_path, 900)}"
         yield proc, url, log_path
     finally:
         if proc.poll() is None:

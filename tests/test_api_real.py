@@ -10,7 +10,7 @@ import time
 import openai
 import pytest
 
-from conftest import CHAT_PROMPTS, KEY, hf_greedy, scrape
+from conftest import CHAT_PROMPTS, KEY, child_pids, hf_greedy, scrape
 
 pytestmark = pytest.mark.real
 
@@ -80,7 +80,7 @@ def test_metrics_show_the_acceptance_counters_and_the_log_has_the_request(serve_
 
 def test_sigterm_stops_the_server_and_its_services(serve_with_key):
     proc, url, _ = serve_with_key
-    children = _children(proc.pid)
+    children = child_pids(proc.pid)
     assert len(children) == 2  # the target and draft services it started
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0

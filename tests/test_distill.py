@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import ServiceThread, hf_greedy, run
+from conftest import TOKEN_PROMPTS, ServiceThread, generate_on, hf_greedy, run
 from specdec.drafting import lookup
 
 
@@ -46,13 +46,12 @@ def test_distill_end_to_end_makes_a_loadable_exact_draft(tmp_path, tiny_models, 
     assert again.returncode == 0, again.stderr[-3000:]
 
     # the distilled draft serves, and speculative greedy output stays the target's
-    from test_services import PROMPTS, _generate
 
     svc = ServiceThread("draft", str(draft_dir), target=target)
     try:
         services = dict(tiny_services, distilled=svc)
-        for prompt in PROMPTS[:2]:
-            result = run(_generate(services, "distilled", prompt, "pipelined", 3, max_new=24))
+        for prompt in TOKEN_PROMPTS[:2]:
+            result = run(generate_on(services, "distilled", prompt, "pipelined", 3, max_new=24))
             assert result.token_ids == hf_greedy(target, prompt, 24)
             assert result.stats.draft_tokens > 0
     finally:
@@ -80,9 +79,8 @@ def test_ngram_proposals_are_exact_substrings_of_the_history(seed):
 
 
 def test_ngram_drafter_proposes_from_a_repetitive_prompt_and_stays_exact(tiny_services):
-    from test_services import _generate
 
     prompt = [5, 6, 7, 8] * 10
-    result = run(_generate(tiny_services, "ngram", prompt, "spec", 4))
+    result = run(generate_on(tiny_services, "ngram", prompt, "spec", 4))
     assert result.stats.draft_tokens > 0  # the repeated prompt gives the lookup matches
     assert result.token_ids == hf_greedy(tiny_services["target"].config.model, prompt, 40)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specdec.engine import KVCache, LlamaEngine
+from specdec.engine import LlamaEngine
 from specdec.models import load_hf_model
 
 

@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, ServiceThread, hf_greedy, run
+from conftest import REPO, ServiceThread, hf_greedy, perturb, run
 from specdec.engine import ArchConfig, LlamaEngine
 from specdec.models import load_hf_model
 
@@ -158,9 +158,7 @@ def make_model(name: str, path, seed: int = 1, noise: float = 0.0):
         else:
             model.model.norm.weight.mul_(sharpen)
         if noise:
-            g = torch.Generator().manual_seed(seed + 1000)
-            for p in model.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * noise * p.abs().mean())
+            perturb(model, seed, noise)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path

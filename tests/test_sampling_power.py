@@ -16,8 +16,6 @@ Two levels:
 
 from __future__ import annotations
 
-import itertools
-import math
 
 import numpy as np
 import pytest

@@ -4,7 +4,6 @@ certificates from tests/certs.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import pathlib
@@ -19,7 +18,7 @@ import openai
 import pytest
 
 from certs import CA
-from conftest import REPO, ServiceThread, hf_greedy, run
+from conftest import REPO, ServiceThread, hf_greedy, run, wait_for_port_file
 from orchestrator.service_clients import ServiceError
 from orchestrator.local import ServiceProcess, service_args
 from orchestrator.loop import GenerationRequest
@@ -251,12 +250,7 @@ def test_serve_https_api_key_and_no_secret_in_any_log(mtls_pair, tiny_models, pk
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "SPECDEC_API_KEY": API_KEY})  # the key never on a command line
     try:
-        deadline = time.monotonic() + 300
-        while not port_file.exists():
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "specdec serve did not start"
-            time.sleep(0.2)
-        port = int(port_file.read_text())
+        port = wait_for_port_file(proc, port_file, log_path, 300)
         base = f"https://127.0.0.1:{port}"
         with httpx.Client(verify=pki["ca"].cert_path, timeout=120) as http:
             client = openai.OpenAI(base_url=base + "/v1", api_key=API_KEY, http_client=http)

@@ -3,13 +3,13 @@
 import grpc
 import pytest
 
-from conftest import ServiceThread, generate_on, hf_greedy, make_tiny_model, run
+from conftest import TOKEN_PROMPTS, ServiceThread, generate_on, hf_greedy, make_tiny_model, run
 from orchestrator.pair import TokenizerMismatch, connect
 from specdec.session import rolling_hash
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc
 
-PROMPTS = [[1, 520, 3300, 12, 99, 7], list(range(2000, 2040)), [5, 6, 7, 5, 6, 7, 5, 6]]
+PROMPTS = TOKEN_PROMPTS
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,5 @@
 """The draft shipped for the default target: loads, is small, and reaches its stated figures."""
 
-import json
 import pathlib
 
 import pytest
