@@ -77,6 +77,8 @@ class DraftWork:
         self.engine = engine
         self.store = store
         self.q_top_k = q_top_k
+        # the target id of each output index when the head is reduced (coupled noise is per id)
+        self._target_ids = None if engine.vocab_map is None else engine.vocab_map.cpu().numpy()
         self.cancelled = False
         self.compute_s = 0.0
         self.batch_size = 0
@@ -140,9 +142,7 @@ class DraftWork:
             out_id = int(logits[-1].argmax())
         elif sampling.rule == "coupled":
             probs = process_logits(logits[-1], self._q_params)  # [vocab_out]
-            vocab_map = self.engine.vocab_map  # the target id of each output index, if reduced
-            out_id = coupled_choice(probs, sampling.seed, position,
-                                    None if vocab_map is None else vocab_map.cpu().numpy())
+            out_id = coupled_choice(probs, sampling.seed, position, self._target_ids)
         else:
             probs = process_logits(logits[-1], self._q_params)  # [vocab_out]
             out_id = sample(probs, position_generator(self.call.sampling.seed, position, "draft"))
