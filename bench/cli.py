@@ -168,7 +168,7 @@ def cmd_bench_verify(args) -> int:
     import torch
 
     from bench import report
-    from specdec.loading import load_engine
+    from specdec.models.loading import load_engine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -211,7 +211,7 @@ def cmd_bench_verify(args) -> int:
     ratio = med["in-service"][1] / med["auto"][1]
     print(f"in-service / engine-alone T(1) = {ratio:.2f}"
           + ("" if ratio < 1.15 else "  <- the service's model thread runs slower than the "
-             "engine alone: see specdec.rpc.in_passing_thread"))
+             "engine alone: see specdec.rpc.host.in_passing_thread"))
     if len(ms) >= 5:
         print(f"auto T(5)/T(1) = {med['auto'][5] / med['auto'][1]:.2f} "
               f"(mkl {med['mkl'][5] / med['mkl'][1]:.2f}, onednn "
@@ -223,8 +223,8 @@ def _in_service_verify_ms(target: str, threads: int, prompt: list[int], ms, reps
     """compute_ms of verify calls over m tokens (m - 1 drafts) in a local target service."""
     import asyncio
 
-    from orchestrator.service_clients import History, TargetClient
     from orchestrator.local import ServiceProcess, service_args
+    from orchestrator.service_clients import History, TargetClient
     from specdec.config import SamplingParams
 
     async def measure(address: str) -> dict:

@@ -13,7 +13,7 @@ draft's q (the draft service's q: the request's processing plus its 64-token tru
 
 - rejection: the expected acceptance of a draft token is sum_t min(p_t, q_t) = 1 - TV(p, q);
 - coupled: P(argmax p/E == argmax q/E) over the shared noise E, estimated with ``--noise-draws``
-  independent noise vectors per position (specdec.sampling.coupled_choice, as the services run
+  independent noise vectors per position (specdec.serving.sampling.coupled_choice, as the services run
   it); its guaranteed floor (1 - TV) / (1 + TV) is printed beside it.
 
 Tokens per round at k follow from the per-position acceptances along the path: a round started
@@ -91,7 +91,7 @@ def rule_acceptance(target, draft, vocab_size: int, prompt_ids: list[int], param
     """Per-position acceptances of both rules along the target's coupled sample."""
     import torch
 
-    from specdec.sampling import coupled_choice, process_logits
+    from specdec.serving.sampling import coupled_choice, process_logits
 
     cache = target.new_cache()
     seq = list(prompt_ids)
@@ -135,7 +135,7 @@ def cmd_bench_rules(args) -> int:
 
     from orchestrator.cli import encode_prompt
     from specdec.config import SamplingParams
-    from specdec.loading import load_engine, resolve_draft_spec
+    from specdec.models.loading import load_engine, resolve_draft_spec
 
     cpu = torch.device("cpu")
     target, tokenizer, _ = load_engine(args.target, cpu)
@@ -272,7 +272,7 @@ def choice_margins(engine, vocab_size: int, prompt_ids: list[int], token_ids: li
     import numpy as np
     import torch
 
-    from specdec.sampling import coupling_noise, process_logits
+    from specdec.serving.sampling import coupling_noise, process_logits
 
     if not token_ids:
         return []
@@ -305,7 +305,7 @@ def cmd_bench_divergence(args) -> int:
     from bench.harness import SpecdecSystems
     from orchestrator.cli import encode_prompt
     from specdec.config import SamplingParams
-    from specdec.loading import load_engine
+    from specdec.models.loading import load_engine
 
     # One thread: this process only scores margins between runs, and its OpenMP pool must not
     # spin on the cores the services are generating on.

@@ -57,9 +57,9 @@ class HFSystems:
     """transformers generate: target-only, assisted by the same draft, prompt lookup."""
 
     def __init__(self, target: str, draft: str | None, threads: int):
-        from specdec import draft_model
-        from specdec.loading import resolve_draft_spec
-        from specdec.models import load_hf_model
+        from specdec.models import draft_model
+        from specdec.models.hub import load_hf_model
+        from specdec.models.loading import resolve_draft_spec
 
         self.threads = threads
         self.model, self.tokenizer = load_hf_model(target)

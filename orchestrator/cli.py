@@ -339,8 +339,8 @@ def _extensions():
     """Subcommands that live in their own modules."""
     import importlib
 
-    for module in ("orchestrator.serve_cli", "bench.cli", "specdec.distill_cli",
-                   "orchestrator.ray_cli"):
+    for module in ("orchestrator.serve_cli", "bench.cli", "specdec.distill.cli",
+                   "orchestrator.ray.cli"):
         yield importlib.import_module(module).register
 
 

@@ -77,8 +77,8 @@ class ServiceProcess:
         raise TimeoutError(f"{self.role} service did not start in {timeout_s}s:\n{self.tail()}")
 
     def refusal(self) -> str | None:
-        """The one-line reason a service gave for refusing to start (specdec.rpc), if any."""
-        from specdec.rpc import LOAD_ERROR_PREFIX
+        """The one-line reason a service gave for refusing to start (specdec.rpc.host), if any."""
+        from specdec.rpc.host import LOAD_ERROR_PREFIX
 
         lines = [ln for ln in self.tail(5).splitlines() if ln.startswith(LOAD_ERROR_PREFIX)]
         return lines[-1][len(LOAD_ERROR_PREFIX):] if lines else None

@@ -10,7 +10,7 @@
 
 Every mode emits exactly the target's tokens: greedy output, and sampled output under the
 coupled rule, are identical to target-only's for the same seed; under the rejection rule
-sampling has the target's distribution (the rules live in specdec.acceptance, on the target
+sampling has the target's distribution (the rules live in specdec.serving.acceptance, on the target
 service).
 """
 
@@ -24,10 +24,16 @@ import uuid
 from typing import AsyncIterator
 
 from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
-from orchestrator.service_clients import CallRecord, DraftClient, History, ServiceError, TargetClient
+from orchestrator.service_clients import (
+    CallRecord,
+    DraftClient,
+    History,
+    ServiceError,
+    TargetClient,
+)
 from orchestrator.text import TextStream
 from specdec.config import MAX_K, MAX_TOP_LOGPROBS, SamplingParams
-from specdec.drafting import lookup
+from specdec.serving.drafting import lookup
 from specdec.wire import specdec_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from orchestrator.service_clients import DraftClient, TargetClient
 from orchestrator.loop import Orchestrator
-from specdec.models import load_tokenizer
-from specdec.tokenizer import fingerprint
+from orchestrator.service_clients import DraftClient, TargetClient
+from specdec.models.hub import load_tokenizer
+from specdec.models.tokenizer import fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ def register(subparsers) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from orchestrator.api import ServeDefaults, create_app
     from orchestrator.cli import Pair, resolve_auto
+    from orchestrator.http.app import ServeDefaults, create_app
 
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise SystemExit("error: --ssl-certfile and --ssl-keyfile must be given together")
@@ -83,7 +83,7 @@ def cmd_serve(args) -> int:
             loop.add_signal_handler(sig, on_signal)
         async with Pair(args) as orch:
             app = create_app(orch, args.model_name, api_key=args.api_key, defaults=defaults)
-            # Our logging config and per-request line (orchestrator.api), not uvicorn's.
+            # Our logging config and per-request line (orchestrator.http.app), not uvicorn's.
             config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                                     access_log=False, lifespan="off",
                                     timeout_graceful_shutdown=5,

@@ -15,9 +15,9 @@ import time
 
 import grpc
 
-from specdec import rpc
 from specdec.config import SamplingParams
-from specdec.session import extend_hashes
+from specdec.rpc import transport
+from specdec.serving.session import extend_hashes
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc
 
@@ -122,10 +122,10 @@ class ServiceClient:
     role = ""
 
     def __init__(self, address: str, tls: dict | None = None,
-                 max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES,
+                 max_message_bytes: int = transport.DEFAULT_MAX_MESSAGE_BYTES,
                  timeout_s: float = 30.0):
         self.address = address
-        self.channel = rpc.aio_channel(address, max_message_bytes, tls)
+        self.channel = transport.aio_channel(address, max_message_bytes, tls)
         self.timeout_s = timeout_s
         self.info: pb.ModelInfo | None = None
         # session id -> the tokens this service's cache holds for it (as far as we know)

@@ -14,7 +14,7 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 # The wire carries temperature as a float32 and top_k as an int32.
 _FLOAT32_MAX = 3.4028234663852886e38
 _INT32_MAX = 2**31 - 1
-# Acceptance rules of sampled decoding (see specdec.acceptance), by their AcceptanceRule
+# Acceptance rules of sampled decoding (see specdec.serving.acceptance), by their AcceptanceRule
 # numbers on the wire (0, unspecified, is read as the default).
 RULE_NUMBERS = {"coupled": 1, "rejection": 2}
 RULES = tuple(RULE_NUMBERS)
@@ -29,7 +29,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k limit
     top_p: float = 1.0  # nucleus mass, in (0, 1]
     seed: int = 0
-    rule: str = DEFAULT_RULE  # "coupled" | "rejection" (sampling only; see specdec.acceptance)
+    rule: str = DEFAULT_RULE  # "coupled" | "rejection" (sampling only; see specdec.serving.acceptance)
     presence_penalty: float = 0.0  # OpenAI's, on output tokens, in [-2, 2]
     frequency_penalty: float = 0.0  # OpenAI's, on output tokens, in [-2, 2]
     repetition_penalty: float = 1.0  # HF's / vLLM's, on prompt and output tokens, > 0

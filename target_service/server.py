@@ -1,15 +1,17 @@
-"""TargetService servicer: parse, call the core (specdec.runtime.TargetRuntime), reply."""
+"""TargetService servicer: parse, call the core (specdec.serving.runtime.TargetRuntime), reply."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 
-from specdec import rpc
+import grpc
+
 from specdec.config import ServiceConfig
-from specdec.loading import build_target
-from specdec.target import VerifyCall
+from specdec.models.loading import build_target
+from specdec.rpc import service_main
+from specdec.rpc.host import CommonServicerMixin, ServiceHost, run_call
+from specdec.serving.target import VerifyCall
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc
 
@@ -21,10 +23,10 @@ def _wire_logprobs(entries) -> list:
     return [pb.TokenLogprobs(logprob=lp, top_ids=ids, top_logprobs=lps) for lp, ids, lps in entries]
 
 
-class TargetServicer(rpc.CommonServicerMixin, pb_grpc.TargetServiceServicer):
+class TargetServicer(CommonServicerMixin, pb_grpc.TargetServiceServicer):
     pb = pb
 
-    def __init__(self, host: rpc.ServiceHost):
+    def __init__(self, host: ServiceHost):
         self.host = host
 
     async def _verify(self, request, context):
@@ -32,9 +34,9 @@ class TargetServicer(rpc.CommonServicerMixin, pb_grpc.TargetServiceServicer):
         try:
             call = VerifyCall.from_wire(request, rt.info.vocab_size)
         except ValueError as exc:
-            await context.abort(rpc.grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         future, work = rt.verify(call)
-        result = await rpc.run_call(context, future, work)
+        result = await run_call(context, future, work)
         return pb.VerifyResponse(
             num_accepted=result.num_accepted,
             next_token=result.next_token,
@@ -53,32 +55,22 @@ class TargetServicer(rpc.CommonServicerMixin, pb_grpc.TargetServiceServicer):
             yield await self._verify(request, context)
 
 
-def make_host(config: ServiceConfig) -> rpc.ServiceHost:
-    host = rpc.ServiceHost(config, build_target, SERVICE_NAME)
+def make_host(config: ServiceConfig) -> ServiceHost:
+    host = ServiceHost(config, build_target, SERVICE_NAME)
     pb_grpc.add_TargetServiceServicer_to_server(TargetServicer(host), host.server)
     return host
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    rpc.add_service_arguments(parser, default_model="default")
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="specdec serve-target", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    run(args)
+    service_main.add_service_arguments(parser, default_model="default")
 
 
 def run(args) -> None:
-    rpc.configure_logging(args.log_level)
-    config = rpc.service_config_from_args(args, role="target")
-    asyncio.run(_serve(config, args.port_file))
+    service_main.serve(args, make_host, role="target")
 
 
-async def _serve(config: ServiceConfig, port_file: str | None) -> None:
-    # The aio server must be made inside the running event loop.
-    await make_host(config).serve_forever(port_file)
+def main(argv=None) -> None:
+    service_main.main(argv, "specdec serve-target", __doc__, add_arguments, run)
 
 
 if __name__ == "__main__":

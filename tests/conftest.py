@@ -52,7 +52,7 @@ def make_tiny_model(path: pathlib.Path, seed: int, layers: int = 2, hidden: int 
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specdec.models import load_tokenizer
+    from specdec.models.hub import load_tokenizer
 
     tokenizer = load_tokenizer("default")
     torch.manual_seed(seed)
@@ -183,7 +183,7 @@ def tiny_services(tiny_models):
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Target-only greedy ids from transformers' own generate (the reference)."""
-    from specdec.models import load_hf_model
+    from specdec.models.hub import load_hf_model
 
     model, _ = _hf_cache.get(model_dir) or _hf_cache.setdefault(model_dir, load_hf_model(model_dir))
     ids = torch.tensor([prompt_ids])
@@ -224,7 +224,7 @@ class ApiHost:
         """Serve ``app`` (default: a fresh create_app over the orchestrator); its base URL."""
         import uvicorn
 
-        from orchestrator.api import create_app
+        from orchestrator.http.app import create_app
 
         async def start():
             server = uvicorn.Server(uvicorn.Config(

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from specdec.acceptance import verify_greedy, verify_rejection
 from specdec.config import SamplingParams
-from specdec.sampling import position_generator
+from specdec.serving.acceptance import verify_greedy, verify_rejection
+from specdec.serving.sampling import position_generator
 
 BIG = 50.0
 
@@ -183,7 +183,7 @@ def test_coupling_noise_is_per_id_and_exponential():
     draft over its few likeliest tokens and a target over its whole support agree."""
     import numpy as np
 
-    from specdec.sampling import coupling_noise
+    from specdec.serving.sampling import coupling_noise
 
     ids = np.arange(5000)
     full = coupling_noise(9, 40, ids)

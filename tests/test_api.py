@@ -11,13 +11,19 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import MODEL, ApiHost, ServiceThread, hf_greedy, run, scrape
 from starlette.responses import JSONResponse, Response
 
-from conftest import MODEL, ApiHost, ServiceThread, hf_greedy, run, scrape
-from orchestrator.api import ServeDefaults
-from orchestrator.client import (AsyncSpecdecClient, AuthenticationError, BadRequestError,
-                                 ServerError, SpecdecClient, SpecdecConnectionError)
-from specdec.models import load_tokenizer
+from orchestrator.http.app import ServeDefaults
+from orchestrator.http_client import (
+    AsyncSpecdecClient,
+    AuthenticationError,
+    BadRequestError,
+    ServerError,
+    SpecdecClient,
+    SpecdecConnectionError,
+)
+from specdec.models.hub import load_tokenizer
 
 PROMPT = "What is the capital of France?"
 PROMPTS = [PROMPT, "Write a short poem about the sea.", "List three fruits."]
@@ -524,7 +530,7 @@ def hf_logprobs(model_dir: str, prompt_ids: list[int], token_ids: list[int]):
     """transformers' log-softmax at each generated position: [len(token_ids), vocab]."""
     import torch
 
-    from specdec.models import load_hf_model
+    from specdec.models.hub import load_hf_model
 
     model, _ = load_hf_model(model_dir)
     with torch.no_grad():
@@ -668,7 +674,7 @@ def hf_penalized_greedy(model_dir: str, prompt_ids: list[int], n: int, presence:
     import torch
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    from specdec.models import load_hf_model
+    from specdec.models.hub import load_hf_model
 
     model, _ = load_hf_model(model_dir)
     rep = RepetitionPenaltyLogitsProcessor(repetition)

@@ -9,7 +9,6 @@ import time
 
 import openai
 import pytest
-
 from conftest import CHAT_PROMPTS, KEY, child_pids, hf_greedy, scrape
 
 pytestmark = pytest.mark.real
@@ -17,7 +16,7 @@ pytestmark = pytest.mark.real
 MAX_NEW = 32
 def test_openai_streams_the_target_only_greedy_answer(serve_with_key):
     from orchestrator.cli import encode_prompt
-    from specdec.models import load_tokenizer
+    from specdec.models.hub import load_tokenizer
 
     _, url, _ = serve_with_key
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY)

@@ -12,13 +12,13 @@ import json
 import grpc
 import httpx
 import pytest
-
 from conftest import MODEL, ApiHost, ServiceThread, hf_greedy, run
-from orchestrator.api import ServeDefaults
+
+from orchestrator.http.app import ServeDefaults
 from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect
-from specdec.models import load_tokenizer
-from specdec.session import rolling_hash
+from specdec.models.hub import load_tokenizer
+from specdec.serving.session import rolling_hash
 from specdec.wire import specdec_pb2 as pb
 
 MAX_MESSAGE_BYTES = 64 * 1024

@@ -3,8 +3,8 @@
 import asyncio
 
 import pytest
-
 from conftest import ServiceThread, hf_greedy, run
+
 from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect
 from specdec.config import SamplingParams

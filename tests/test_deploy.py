@@ -16,7 +16,6 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import REPO
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -287,7 +286,7 @@ def serve_errors(config: dict) -> list[str]:
     """Ray's own schema, then specdec's: the app's args and the deployment names."""
     from ray.serve.schema import ServeDeploySchema
 
-    from orchestrator import ray_app
+    from orchestrator.ray import app as ray_app
 
     try:
         schema = ServeDeploySchema.model_validate(config)
@@ -295,7 +294,7 @@ def serve_errors(config: dict) -> list[str]:
         return [str(exc)]
     errors = []
     for app in schema.applications:
-        if app.import_path != "orchestrator.ray_app:app":
+        if app.import_path != "orchestrator.ray.app:app":
             errors.append(f"unexpected import_path {app.import_path}")
             continue
         try:
@@ -313,7 +312,7 @@ def test_serve_config_passes_ray_serve_schema(rendered, tree):
 
 
 def test_serve_app_points_at_the_draft_and_target_services(rendered):
-    from orchestrator import ray_app
+    from orchestrator.ray import app as ray_app
 
     docs = rendered["default"]
     (app,) = serve_config(docs)["applications"]
@@ -352,7 +351,7 @@ def test_a_broken_serve_config_fails(rendered):
 
 
 def test_ray_config_example_loads_and_documents_the_defaults():
-    from orchestrator import ray_app
+    from orchestrator.ray import app as ray_app
 
     example = ray_app.RayAppConfig.load(str(REPO / "deploy/ray/config.yaml"))
     default = ray_app.RayAppConfig.from_dict({})
@@ -384,7 +383,7 @@ def test_the_gpu_ray_config_is_the_example_with_one_gpu_per_service():
     example only in asking each service actor for a GPU and running it on CUDA."""
     import dataclasses
 
-    from orchestrator import ray_app
+    from orchestrator.ray import app as ray_app
 
     cpu = ray_app.RayAppConfig.load(str(REPO / "deploy/ray/config.yaml"))
     gpu = ray_app.RayAppConfig.load(str(REPO / "deploy/ray/config-gpu.yaml"))

@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import TOKEN_PROMPTS, ServiceThread, generate_on, hf_greedy, run
-from specdec.drafting import lookup
+
+from specdec.serving.drafting import lookup
 
 
 def test_distill_end_to_end_makes_a_loadable_exact_draft(tmp_path, tiny_models, tiny_services):

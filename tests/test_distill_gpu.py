@@ -1,17 +1,16 @@
-"""The time-boxed GPU draft build (specdec.distill_gpu), run here on CPU on a tiny target."""
+"""The time-boxed GPU draft build (specdec.distill.gpu), run here on CPU on a tiny target."""
 
 import json
 import subprocess
 import sys
 
 import torch
-
 from conftest import hf_greedy
 
 
 def test_batched_answers_match_the_targets_own_greedy_despite_left_padding(tiny_models):
-    from specdec.distill_gpu import answer_batch
-    from specdec.models import load_hf_model
+    from specdec.distill.gpu import answer_batch
+    from specdec.models.hub import load_hf_model
 
     target = tiny_models["target"]
     model, _ = load_hf_model(target)
@@ -38,7 +37,7 @@ def test_batched_answers_match_the_targets_own_greedy_despite_left_padding(tiny_
 def test_prepare_run_finish_builds_an_evaluated_draft(tmp_path, tiny_models):
     target = tiny_models["target"]
     work = tmp_path / "d"
-    base = [sys.executable, "-m", "specdec.distill_gpu"]
+    base = [sys.executable, "-m", "specdec.distill.gpu"]
 
     def step(*args):
         out = subprocess.run(base + list(args), capture_output=True, text=True, timeout=900)
@@ -61,7 +60,7 @@ def test_prepare_run_finish_builds_an_evaluated_draft(tmp_path, tiny_models):
     assert 0 < meta["vocab_out"] <= 600 and held["held_out_tokens"] > 0
     assert 0.0 <= held["greedy_acceptance"] <= 1.0
 
-    from specdec.loading import load_engine
+    from specdec.models.loading import load_engine
 
     engine, _, _ = load_engine(str(work / "draft"), torch.device("cpu"))
     cache = engine.new_cache()

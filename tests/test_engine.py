@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from specdec.engine import LlamaEngine
-from specdec.models import load_hf_model
+from specdec.models.hub import load_hf_model
+from specdec.serving.engine import LlamaEngine
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def test_cache_grows_and_refuses_past_the_context(tiny):
 def test_unsupported_architecture_is_refused():
     from types import SimpleNamespace
 
-    from specdec.engine import ArchConfig
+    from specdec.models.arch import ArchConfig
 
     with pytest.raises(ValueError, match="not supported"):
         ArchConfig.from_hf(SimpleNamespace(model_type="gpt2"))
@@ -85,7 +85,7 @@ def test_a_block_pass_agrees_with_one_token_passes_within_the_stated_bound(kerne
     """The README's greedy guarantee: row j of a (k+1)-token verify pass and a 1-token pass at
     the same position differ only by fp32 rounding (bound 2e-4 on the default target's
     logits; measured up to ~6e-5), so tokens can differ only where two logits are that close."""
-    from specdec.loading import load_engine
+    from specdec.models.loading import load_engine
 
     engine, _, _ = load_engine("default", torch.device("cpu"), kernels)
     prompt = torch.arange(120) % 5000 + 100

@@ -4,10 +4,11 @@ import json
 import shutil
 
 from conftest import ServiceThread, hf_greedy, run
+
 from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect
-from specdec.models import load_hf_model
-from specdec.tokenizer import eos_token_ids
+from specdec.models.hub import load_hf_model
+from specdec.models.tokenizer import eos_token_ids
 
 PROMPT = [1, 520, 3300, 12, 99, 7]
 

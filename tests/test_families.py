@@ -18,10 +18,11 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, ServiceThread, hf_greedy, perturb, run
-from specdec.engine import ArchConfig, LlamaEngine
-from specdec.models import load_hf_model
+
+from specdec.models.arch import ArchConfig
+from specdec.models.hub import load_hf_model
+from specdec.serving.engine import LlamaEngine
 
 TOL = 1e-4  # max |engine - transformers| over a logits row, relative to the row's largest |logit|
 SEQ = 40  # tokens of the reference sequence: windows of 8 are exceeded well before its end
@@ -116,7 +117,7 @@ GREEDY_FAMILIES = ["llama3", "llama2", "qwen2", "qwen2_sliding", "qwen3", "mistr
 def make_config(name: str, **overrides):
     import transformers
 
-    from specdec.models import load_tokenizer
+    from specdec.models.hub import load_tokenizer
 
     tok = load_tokenizer("default")
     cls, kwargs = FAMILIES[name]
@@ -256,7 +257,7 @@ def test_speculative_greedy_equals_transformers_generate(family_dirs, name):
 
 
 def test_the_llama3_test_model_has_all_three_bands_of_the_scaling():
-    from specdec.engine import rope_inv_freq
+    from specdec.models.arch import rope_inv_freq
 
     arch = ArchConfig.from_hf(make_config("llama3")[0])
     scaled = rope_inv_freq(arch.rope_theta, arch.rope_scaling, arch.head_dim, arch.max_context)
@@ -341,7 +342,7 @@ def test_what_changes_nothing_runs_as_plain_llama():
 
 
 def test_the_trainable_draft_refuses_what_it_does_not_model():
-    from specdec.draft_model import DraftModule
+    from specdec.models.draft_model import DraftModule
 
     vocab = torch.arange(10)
     DraftModule(ArchConfig.from_hf(make_config("llama3")[0]), torch.zeros(100, 64), vocab)

@@ -6,12 +6,12 @@ import signal
 import socket
 
 import pytest
-
 from conftest import hf_greedy, run
-from orchestrator.service_clients import ServiceError
+
 from orchestrator.local import ServiceProcess, service_args
 from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect
+from orchestrator.service_clients import ServiceError
 
 PROMPT = list(range(2000, 2040))
 MAX_NEW = 60

@@ -7,11 +7,11 @@ import threading
 
 import fastapi
 import httpx
-
 from conftest import ServiceThread, run
-from orchestrator.api import create_app
+
+from orchestrator.http.app import create_app
 from orchestrator.pair import close, connect
-from orchestrator.ray_app import native_routes
+from orchestrator.ray.app import native_routes
 from orchestrator.routing import PairRouter
 
 MODEL = "specdec"
@@ -97,7 +97,7 @@ def test_an_oversized_body_gets_413_and_the_server_keeps_serving(tiny_services):
 
 
 def test_prompts_are_tokenized_off_the_event_loop(tiny_services, monkeypatch):
-    from orchestrator import api
+    from orchestrator.http import app as api
 
     seen = []
     for name in ("chat_prompt", "completion_prompt"):

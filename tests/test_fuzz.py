@@ -12,12 +12,12 @@ import os
 import grpc
 import httpx
 import pytest
+from conftest import MODEL, ApiHost, ServiceThread
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from conftest import MODEL, ApiHost, ServiceThread
-from orchestrator.api import ServeDefaults
-from specdec.session import rolling_hash
+from orchestrator.http.app import ServeDefaults
+from specdec.serving.session import rolling_hash
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc
 

@@ -3,15 +3,15 @@
 import hmac
 
 import pytest
-
 from conftest import run
-from orchestrator.api import api_key_matches
-from orchestrator.service_clients import History
+
+from orchestrator.http.app import api_key_matches
 from orchestrator.loop import GenerationRequest, GenerationStats
 from orchestrator.pair import close, connect
+from orchestrator.service_clients import History
 from specdec.config import MAX_K, ServiceConfig
-from specdec.runtime import DraftRuntime, ModelInfo
-from specdec.session import Session
+from specdec.serving.runtime import DraftRuntime, ModelInfo
+from specdec.serving.session import Session
 
 PROMPT = [1, 520, 3300, 12, 99, 7]
 

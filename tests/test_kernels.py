@@ -8,9 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.kernels import MKL, ONEDNN, KernelPlan, Linear, choose_kernels, prepack_available
 from orchestrator.local import ServiceProcess, service_args, shared_cores_env
-from specdec.rpc import in_passing_thread
+from specdec.rpc.host import in_passing_thread
+from specdec.serving.kernels import (
+    MKL,
+    ONEDNN,
+    KernelPlan,
+    Linear,
+    choose_kernels,
+    prepack_available,
+)
 
 needs_onednn = pytest.mark.skipif(not prepack_available(torch.device("cpu")),
                                   reason="this torch build has no oneDNN")
@@ -61,7 +68,7 @@ def lin_weight(lin: Linear) -> torch.Tensor:
 
 
 def test_an_engine_refuses_an_unknown_kernel_choice(tiny_models):
-    from specdec.loading import load_engine
+    from specdec.models.loading import load_engine
 
     with pytest.raises(ValueError, match="kernels must be one of"):
         load_engine(tiny_models["target"], torch.device("cpu"), "fast")

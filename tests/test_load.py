@@ -15,7 +15,6 @@ import time
 
 import openai
 import pytest
-
 from conftest import CHAT_PROMPTS, KEY, child_pids, scrape
 
 pytestmark = pytest.mark.real

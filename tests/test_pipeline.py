@@ -4,11 +4,11 @@ import collections
 
 import pytest
 import torch
-
 from conftest import generate_on, run
+
 from orchestrator.adaptive import KController, expected_tokens
 from specdec.config import SamplingParams
-from specdec.sampling import process_logits
+from specdec.serving.sampling import process_logits
 
 SAMPLING = dict(temperature=0.7, top_k=4)
 PROMPT = [1, 520, 3300, 12, 99, 7]
@@ -16,7 +16,7 @@ PROMPT = [1, 520, 3300, 12, 99, 7]
 
 def exact_joint(model_dir: str, prompt: list[int], params: SamplingParams) -> dict:
     """The target's own distribution of its first two sampled tokens, from its logits."""
-    from specdec.models import load_hf_model
+    from specdec.models.hub import load_hf_model
 
     model, _ = load_hf_model(model_dir)
     with torch.no_grad():

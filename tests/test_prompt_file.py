@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from orchestrator.cli import encode_prompt, read_prompt_file
-from specdec.models import load_tokenizer
+from specdec.models.hub import load_tokenizer
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}]
 

@@ -10,16 +10,15 @@ import socket
 
 import httpx
 import pytest
-
 from conftest import hf_greedy, run
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from orchestrator import ray_app  # noqa: E402
-from orchestrator.service_clients import DraftClient, TargetClient  # noqa: E402
+from orchestrator.ray import app as ray_app  # noqa: E402
 from orchestrator.routing import rendezvous  # noqa: E402
+from orchestrator.service_clients import DraftClient, TargetClient  # noqa: E402
 
 PROMPTS = [[1, 520, 3300, 12, 99, 7], list(range(2000, 2030)), [5, 6, 7, 5, 6, 7, 5, 6]]
 NODE = dict(node_ip_address="127.0.0.1", object_store_memory=80 * 1024 * 1024)

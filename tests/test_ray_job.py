@@ -20,7 +20,6 @@ import time
 import httpx
 import pytest
 import yaml
-
 from conftest import REPO, hf_greedy
 
 psutil = pytest.importorskip("psutil")

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import CHAT_PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.real
@@ -34,7 +33,7 @@ def target_only(tmp_path_factory):
 
 def test_target_only_equals_transformers_generate(target_only):
     from orchestrator.cli import encode_prompt
-    from specdec.models import load_tokenizer
+    from specdec.models.hub import load_tokenizer
 
     tok = load_tokenizer("default")
     for row, prompt in zip(target_only, CHAT_PROMPTS):

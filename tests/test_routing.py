@@ -4,8 +4,8 @@ pair, least-loaded routing avoids a busy pair, an early close frees the pair and
 from __future__ import annotations
 
 import pytest
-
 from conftest import hf_greedy, run
+
 from orchestrator.loop import GenerationRequest, GenerationResult
 from orchestrator.pair import close, connect
 from orchestrator.routing import PairRouter, rendezvous

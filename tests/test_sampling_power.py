@@ -7,7 +7,7 @@ test is parametrized over wrong rules as well as the real one: the real rule mus
 every wrong rule must fail, so the tests show they can tell.
 
 Two levels:
-- the rules alone (specdec.acceptance) over crafted distributions, with the draft's side as
+- the rules alone (specdec.serving.acceptance) over crafted distributions, with the draft's side as
   the service runs it (position streams, q sent sparse);
 - whole generations through real gRPC services (spec and pipelined rounds) with a draft of
   reduced vocabulary whose q is truncated to its top tokens, against a tiny target whose exact
@@ -16,16 +16,21 @@ Two levels:
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
-
-import specdec.acceptance as acceptance
 from conftest import ServiceThread, make_tiny_model, run
+
+import specdec.serving.acceptance as acceptance
 from specdec.config import SamplingParams
-from specdec.sampling import (coupled_choice, from_sparse, position_generator, process_logits,
-                              sample, to_sparse)
+from specdec.serving.sampling import (
+    coupled_choice,
+    from_sparse,
+    position_generator,
+    process_logits,
+    sample,
+    to_sparse,
+)
 
 P_VALUE = 1e-6  # the real rules pass with every fixed seed set below; wrong rules fall far under
 
@@ -247,9 +252,9 @@ SERVICE_SAMPLING = dict(temperature=1.0)
 def small_vocab_pair(tmp_path_factory):
     """A 16-token tiny target, and a draft directory made from a noisy copy of it with a
     reduced vocabulary (its head covers 12 of the 16 ids) served with q truncated to 6 tokens."""
-    from specdec import draft_model
-    from specdec.engine import ArchConfig, canonical_weights
-    from specdec.models import load_hf_model
+    from specdec.models import draft_model
+    from specdec.models.arch import ArchConfig, canonical_weights
+    from specdec.models.hub import load_hf_model
 
     root = tmp_path_factory.mktemp("smallvocab")
     target = make_tiny_model(root / "target", seed=5, layers=1, hidden=32, heads=2, kv_heads=1,
@@ -274,7 +279,7 @@ def small_vocab_pair(tmp_path_factory):
 
 def _exact_distribution(model_dir: str, params: SamplingParams):
     """The target's exact joint of its first GEN_TOKENS sampled tokens: [V] * GEN_TOKENS."""
-    from specdec.models import load_hf_model
+    from specdec.models.hub import load_hf_model
 
     model, _ = load_hf_model(model_dir)
     joint = np.ones([1])
@@ -329,12 +334,12 @@ SERVICE_CASES = [
                          ids=[f"{m}-{r}-{x or 'real'}" for m, r, x in SERVICE_CASES])
 def test_generations_have_the_target_distribution(small_vocab_pair, monkeypatch, mode, rule,
                                                   mutant):
-    import specdec.target
+    import specdec.serving.target
 
     if mutant is not None:  # the target service runs in this process: swap its rule
         mutants = _coupled_mutants() if rule == "coupled" else _rejection_mutants()
         name = "verify_coupled" if rule == "coupled" else "verify_rejection"
-        monkeypatch.setattr(specdec.target, name, mutants[mutant])
+        monkeypatch.setattr(specdec.serving.target, name, mutants[mutant])
     joint = _exact_distribution(small_vocab_pair["target_dir"], SamplingParams(
         **SERVICE_SAMPLING))
     results = run(_generate_many(small_vocab_pair, mode, rule))

@@ -16,15 +16,15 @@ import grpc
 import httpx
 import openai
 import pytest
-
 from certs import CA
 from conftest import REPO, ServiceThread, hf_greedy, run, wait_for_port_file
-from orchestrator.service_clients import ServiceError
+
 from orchestrator.local import ServiceProcess, service_args
 from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect
-from specdec import rpc
-from specdec.models import load_tokenizer
+from orchestrator.service_clients import ServiceError
+from specdec.models.hub import load_tokenizer
+from specdec.rpc import service_main, transport
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc
 
@@ -154,7 +154,7 @@ def test_mutual_tls_refuses_clients_without_our_certificate(mtls_pair, pki, who)
 
     async def raw_calls():
         """A stub call and the health check on such a channel: refused, never answered."""
-        channel = rpc.aio_channel(target.address, tls=tls)
+        channel = transport.aio_channel(target.address, tls=tls)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await pb_grpc.TargetServiceStub(channel).GetStats(pb.StatsRequest(), timeout=3)
@@ -170,7 +170,7 @@ def test_mutual_tls_refuses_clients_without_our_certificate(mtls_pair, pki, who)
 
 def test_ray_app_config_and_environment_pass_tls_to_the_channels(mtls_pair, tiny_models, pki,
                                                                monkeypatch):
-    from orchestrator.ray_app import RayAppConfig, connect_pairs
+    from orchestrator.ray.app import RayAppConfig, connect_pairs
 
     target, draft = mtls_pair
 
@@ -306,7 +306,7 @@ def test_k8s_tls_overlay_flags_parse_into_a_mutual_tls_config(monkeypatch):
     from test_deploy import K8S, container, named, render
 
     from orchestrator.cli import build_parser
-    from orchestrator.ray_app import _env_tls
+    from orchestrator.ray.app import _env_tls
 
     docs = render(K8S / "overlays/tls")
     models = named(docs, "ConfigMap", "specdec-models")["data"]
@@ -314,7 +314,7 @@ def test_k8s_tls_overlay_flags_parse_into_a_mutual_tls_config(monkeypatch):
         c = container(named(docs, "Deployment", f"specdec-{role}"))
         mounts = {m["mountPath"] for m in c["volumeMounts"]}
         parsed = build_parser().parse_args(_substitute(c["args"], models))
-        config = rpc.service_config_from_args(parsed, role)
+        config = service_main.service_config_from_args(parsed, role)
         assert config.tls_client_ca and config.tls_cert and config.tls_key
         for path in (config.tls_cert, config.tls_key, config.tls_client_ca):
             assert os.path.dirname(path) in mounts

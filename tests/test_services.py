@@ -2,10 +2,10 @@
 
 import grpc
 import pytest
-
 from conftest import TOKEN_PROMPTS, ServiceThread, generate_on, hf_greedy, make_tiny_model, run
+
 from orchestrator.pair import TokenizerMismatch, connect
-from specdec.session import rolling_hash
+from specdec.serving.session import rolling_hash
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc
 
@@ -168,7 +168,7 @@ def test_health_and_reflection(tiny_services):
 def test_services_log_one_line_per_request(tiny_services, caplog):
     import logging
 
-    caplog.set_level(logging.INFO, logger="specdec.session")
+    caplog.set_level(logging.INFO, logger="specdec.serving.session")
     result = run(generate_on(tiny_services, "self_draft", PROMPTS[0], "spec", 3))
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("closed ")]
     assert len(lines) == 2  # one per service

@@ -4,8 +4,14 @@ import time
 
 import pytest
 
-from specdec.session import (PrefixMismatch, Session, SessionNotFound, SessionStore, resolve,
-                             rolling_hash)
+from specdec.serving.session import (
+    PrefixMismatch,
+    Session,
+    SessionNotFound,
+    SessionStore,
+    resolve,
+    rolling_hash,
+)
 
 
 class FakeCache:

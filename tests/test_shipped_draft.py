@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from specdec import draft_model
+from specdec.models import draft_model
 
 pytestmark = pytest.mark.real
 
@@ -34,8 +34,8 @@ def test_shipped_draft_is_small_int8_and_has_no_target_weights(shipped):
 
 def test_shipped_draft_reaches_its_stated_acceptance(shipped, tmp_path):
     """Teacher-forced greedy acceptance on a small fixed held-out set, against the card."""
-    from specdec import distill
-    from specdec.distill_cli import held_out_records
+    from specdec.distill import train as distill
+    from specdec.distill.cli import held_out_records
 
     meta = draft_model.read_meta(shipped)
     stated = meta["card"]["held_out"]["greedy_acceptance"]

@@ -2,12 +2,12 @@
 completed it, and streamed deltas carry exactly the ids of the result."""
 
 import pytest
-
 from conftest import run
+
 from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect
 from orchestrator.text import TextStream
-from specdec.models import load_tokenizer
+from specdec.models.hub import load_tokenizer
 
 PROMPT = [1, 520, 3300, 12, 99, 7]
 

@@ -1,6 +1,6 @@
 """specdec's own small client for its OpenAI-compatible API (sync and async, httpx).
 
-    from orchestrator.client import SpecdecClient
+    from orchestrator.http_client import SpecdecClient
 
     with SpecdecClient("http://127.0.0.1:8000") as client:
         print(client.chat([{"role": "user", "content": "Hi!"}], max_tokens=32).text)

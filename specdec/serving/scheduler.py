@@ -21,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from specdec.engine import KVCache, LlamaEngine
+from specdec.serving.engine import KVCache, LlamaEngine
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""``specdec distill`` and ``specdec eval-draft`` (command-line front of specdec.distill)."""
+"""``specdec distill`` and ``specdec eval-draft`` (command-line front of specdec.distill.train)."""
 
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ def register(sub) -> None:
 def _engine_and_tokenizer(target: str):
     import torch
 
-    from specdec.loading import load_engine
+    from specdec.models.loading import load_engine
 
     engine, tokenizer, config = load_engine(target, torch.device("cpu"))
-    from specdec.tokenizer import eos_token_ids
+    from specdec.models.tokenizer import eos_token_ids
 
     return engine, tokenizer, set(eos_token_ids(tokenizer, config))
 
@@ -58,8 +58,8 @@ def _engine_and_tokenizer(target: str):
 def held_out_records(target: str, work: pathlib.Path, n_prompts: int, max_new: int,
                      engine=None, tokenizer=None, eos=None) -> list[dict]:
     """The target's greedy answers to the held-out prompts (cached in WORK/heldout)."""
-    from specdec.distill_data import load_shards, write_shards
-    from specdec.distill_prompts import held_out_conversations
+    from specdec.distill.data import load_shards, write_shards
+    from specdec.distill.prompts import held_out_conversations
 
     if engine is None:
         engine, tokenizer, eos = _engine_and_tokenizer(target)
@@ -103,10 +103,10 @@ def score_text_files(engine, tokenizer, files: list[str], out: pathlib.Path,
 def cmd_distill(args) -> int:
     import torch
 
-    from specdec import distill
-    from specdec.distill_data import load_shards, write_shards
-    from specdec.distill_prompts import train_conversations
-    from specdec import draft_model
+    from specdec.distill import train as distill
+    from specdec.distill.data import load_shards, write_shards
+    from specdec.distill.prompts import train_conversations
+    from specdec.models import draft_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,8 +167,9 @@ def cmd_distill(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from specdec import distill, draft_model
-    from specdec.loading import resolve_draft_spec
+    from specdec.distill import train as distill
+    from specdec.models import draft_model
+    from specdec.models.loading import resolve_draft_spec
 
     spec = resolve_draft_spec(args.draft, "default")
     if not draft_model.is_draft_dir(spec):

@@ -38,7 +38,7 @@ def register(subparsers) -> None:
 def cmd_ray_up(args) -> int:
     import ray
 
-    from orchestrator import ray_app
+    from orchestrator.ray import app as ray_app
 
     try:
         cfg = ray_app.RayAppConfig.load(args.config)

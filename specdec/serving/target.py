@@ -6,12 +6,12 @@ import dataclasses
 
 import torch
 
-from specdec.acceptance import verify_coupled, verify_greedy, verify_rejection
 from specdec.config import MAX_K, MAX_TOP_LOGPROBS, SamplingParams
-from specdec.engine import LlamaEngine
-from specdec.sampling import from_sparse, penalize, position_generator, process_logits
-from specdec.scheduler import Piece
-from specdec.session import SessionStore, resolve
+from specdec.serving.acceptance import verify_coupled, verify_greedy, verify_rejection
+from specdec.serving.engine import LlamaEngine
+from specdec.serving.sampling import from_sparse, penalize, position_generator, process_logits
+from specdec.serving.scheduler import Piece
+from specdec.serving.session import SessionStore, resolve
 
 
 @dataclasses.dataclass

@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 
 from specdec.config import SamplingParams
-from specdec.engine import LlamaEngine
-from specdec.sampling import position_generator, process_logits, sample
+from specdec.serving.engine import LlamaEngine
+from specdec.serving.sampling import position_generator, process_logits, sample
 
 log = logging.getLogger(__name__)
 

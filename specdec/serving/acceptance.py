@@ -12,7 +12,7 @@ Three rules, one per way of choosing the target's token:
   draft tokens equal to those.
 - **coupled** (sampling; drafter-invariant coupling, Daliri, Musco and Suresh 2024): at position n
   both models use the same Exponential(1) noise E_n[t] drawn from (seed, n, t)
-  (specdec.sampling.coupling_noise). The target's token is argmax_t p_n[t] / E_n[t], which is an
+  (specdec.serving.sampling.coupling_noise). The target's token is argmax_t p_n[t] / E_n[t], which is an
   exact sample of p_n (the exponential race, i.e. the Gumbel-max trick); the draft proposes
   argmax_t q_n[t] / E_n[t]. Accept the longest prefix of draft tokens equal to the target's
   tokens. The text is a function of the seed and the target alone: no k, mode, batch or draft
@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.sampling import PositionRandom, coupled_choice
+from specdec.serving.sampling import PositionRandom, coupled_choice
 
 
 def verify_walk(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> tuple[int, int]:

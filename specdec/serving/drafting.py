@@ -12,11 +12,16 @@ import dataclasses
 import torch
 
 from specdec.config import MAX_K, SamplingParams
-from specdec.engine import LlamaEngine
-from specdec.sampling import (coupled_choice, penalize, position_generator, process_logits,
-                              sample)
-from specdec.scheduler import Piece
-from specdec.session import SessionStore, resolve
+from specdec.serving.engine import LlamaEngine
+from specdec.serving.sampling import (
+    coupled_choice,
+    penalize,
+    position_generator,
+    process_logits,
+    sample,
+)
+from specdec.serving.scheduler import Piece
+from specdec.serving.session import SessionStore, resolve
 
 
 @dataclasses.dataclass

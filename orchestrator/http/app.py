@@ -32,9 +32,9 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from orchestrator.service_clients import ServiceError
+from orchestrator.http.metrics import CONTENT_TYPE, Metrics
 from orchestrator.loop import MODES, GenerationRequest
-from orchestrator.metrics import CONTENT_TYPE, Metrics
+from orchestrator.service_clients import ServiceError
 from specdec.config import DEFAULT_RULE, MAX_TOP_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@
   under a KubeRay RayService.
 
 The config file (YAML, ``RayAppConfig``) is documented in deploy/ray/config.yaml; Serve's
-``import_path: orchestrator.ray_app:app`` takes the same mapping as ``args``.
+``import_path: orchestrator.ray.app:app`` takes the same mapping as ``args``.
 """
 
 from __future__ import annotations
@@ -403,7 +403,7 @@ async def connect_pairs(cfg: RayAppConfig):
     """
     from orchestrator.pair import close, connect
     from orchestrator.routing import PairRouter
-    from specdec.models import load_tokenizer
+    from specdec.models.hub import load_tokenizer
 
     opts = cfg.orchestrator
     targets = await group_addresses(cfg, cfg.target)
@@ -448,8 +448,8 @@ class GenerateBody(pydantic.BaseModel):
 
 def native_routes(router, api_key: str | None) -> fastapi.APIRouter:
     """POST /generate (summary JSON with token ids, and the pair that ran it), GET /pairs."""
-    from orchestrator.api import api_key_matches, request_seed
     from orchestrator.cli import encode_prompt
+    from orchestrator.http.app import api_key_matches, request_seed
     from orchestrator.loop import GenerationRequest
     from specdec.config import SamplingParams
 
@@ -486,7 +486,7 @@ def native_routes(router, api_key: str | None) -> fastapi.APIRouter:
 
 def build_front(router, opts: IngressOptions) -> fastapi.FastAPI:
     """The HTTP app of a replica: the OpenAI-compatible API plus the native routes."""
-    from orchestrator.api import create_app
+    from orchestrator.http.app import create_app
 
     api_key = opts.api_key or os.environ.get("SPECDEC_API_KEY") or None
     app = create_app(router, opts.model_name, api_key=api_key)
@@ -520,7 +520,7 @@ def build_app(cfg: RayAppConfig) -> serve.Application:
 
 
 def app(args: dict) -> serve.Application:
-    """Serve's application builder (``import_path: orchestrator.ray_app:app``): ``args`` is the
+    """Serve's application builder (``import_path: orchestrator.ray.app:app``): ``args`` is the
     config mapping, or ``{config_file: PATH}`` for a file on the cluster."""
     args = dict(args or {})
     path = args.pop("config_file", None)

@@ -2,7 +2,7 @@
 
 Recipe (what measured best here, see docs/draft.md):
 1. data: the target answers hundreds of shipped prompts (greedy and sampled), keeping its
-   top-32 log-probs per answer token (specdec.distill_data), optionally plus plain text files
+   top-32 log-probs per answer token (specdec.distill.data), optionally plus plain text files
    scored by the target (teacher forcing);
 2. vocabulary: the draft's head covers the N tokens the target writes most (exact: the draft's
    q is zero elsewhere, and q is what it samples from);
@@ -25,9 +25,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from specdec import draft_model
-from specdec.draft_model import DraftModule
-from specdec.engine import ArchConfig, LlamaEngine
+from specdec.models import draft_model
+from specdec.models.arch import ArchConfig
+from specdec.models.draft_model import DraftModule
+from specdec.serving.engine import LlamaEngine
 
 log = logging.getLogger(__name__)
 
@@ -135,8 +136,8 @@ def soft_target_loss(logits: torch.Tensor, rows, tgt_ids, tgt_lp) -> tuple[torch
 def init_from_target(recipe: Recipe, vocab_map: torch.Tensor,
                      model=None) -> tuple[DraftModule, ArchConfig]:
     """A draft module initialised from the target (``model``, or loaded from recipe.target)."""
-    from specdec.engine import canonical_weights
-    from specdec.models import load_hf_model
+    from specdec.models.arch import canonical_weights
+    from specdec.models.hub import load_hf_model
 
     if model is None:
         model, _ = load_hf_model(recipe.target)
@@ -302,7 +303,7 @@ def measure_cost_ratio(draft_engine: LlamaEngine, target_engine: LlamaEngine, re
 
 def evaluate(draft_dir: str, held_out: list[dict], threads: int = 1) -> dict:
     """Held-out figures of a draft: acceptance, tokens per round k=1..8, cost, speedups."""
-    from specdec.loading import load_engine
+    from specdec.models.loading import load_engine
 
     torch.set_num_threads(threads)
     meta = draft_model.read_meta(draft_dir)

@@ -19,12 +19,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specdec.engine import ArchConfig, LlamaEngine, rope_inv_freq
+from specdec.models.arch import ArchConfig, rope_inv_freq
+from specdec.serving.engine import LlamaEngine
 
 FORMAT = "specdec-draft/1"
 META_FILE = "draft.json"
 WEIGHTS_FILE = "weights.safetensors"
-SHIPPED_DIR = pathlib.Path(__file__).parent / "assets" / "default_draft"
+SHIPPED_DIR = pathlib.Path(__file__).parents[1] / "assets" / "default_draft"
 
 
 def is_draft_dir(spec: str) -> bool:
@@ -48,7 +49,7 @@ def target_embedding(target: str) -> torch.Tensor:
     """The target's input embedding [vocab, hidden], read alone from its safetensors."""
     from safetensors import safe_open
 
-    from specdec.models import resolve_model_dir
+    from specdec.models.hub import resolve_model_dir
 
     path = resolve_model_dir(target) / "model.safetensors"
     with safe_open(str(path), framework="pt") as f:
@@ -90,7 +91,7 @@ def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 def load_engine(path, device, kernels: str = "auto"):
     """(engine, tokenizer, None) for a draft directory."""
-    from specdec.models import load_tokenizer
+    from specdec.models.hub import load_tokenizer
 
     meta, weights = load_weights(path)
     arch = ArchConfig(**meta["arch"])
@@ -109,8 +110,8 @@ def save(path, arch: ArchConfig, weights: dict[str, torch.Tensor], vocab_map: to
     """
     from safetensors.torch import save_file
 
-    from specdec.models import load_tokenizer
-    from specdec.tokenizer import fingerprint
+    from specdec.models.hub import load_tokenizer
+    from specdec.models.tokenizer import fingerprint
 
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)

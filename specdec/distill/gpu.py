@@ -15,9 +15,9 @@ on-policy tokens. Three steps, so the GPU machine needs only PyTorch, transforme
 3. ``finish`` (anywhere): write the draft directory (int8, embedding left to the target) and
    evaluate it on the held-out set on this machine.
 
-    python -m specdec.distill_gpu prepare --out runs/d3
-    python -m specdec.distill_gpu run --out runs/d3 --target PATH.gguf   # on the GPU
-    python -m specdec.distill_gpu finish --out runs/d3
+    python -m specdec.distill.gpu prepare --out runs/d3
+    python -m specdec.distill.gpu run --out runs/d3 --target PATH.gguf   # on the GPU
+    python -m specdec.distill.gpu finish --out runs/d3
 
 The target runs in float32 with TF32 off, so its argmax and log-probs are the ones the CPU
 computes, up to summation order.
@@ -38,7 +38,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from specdec import distill
+from specdec.distill import train as distill
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,13 @@ RESULT_FILE = "gpu-card.json"
 
 def prepare(out: pathlib.Path, target: str, n_prompts: int, prompt_set: str,
             heldout_prompts: int, max_new_tokens: int, seed: int) -> None:
-    from specdec.distill_cli import held_out_records
-    from specdec.distill_data import chat_prompt_ids
-    from specdec.distill_prompts import train_conversations
-    from specdec.models import load_tokenizer, resolve_model_dir
-    from specdec.tokenizer import eos_token_ids
     from transformers import AutoConfig
+
+    from specdec.distill.cli import held_out_records
+    from specdec.distill.data import chat_prompt_ids
+    from specdec.distill.prompts import train_conversations
+    from specdec.models.hub import load_tokenizer, resolve_model_dir
+    from specdec.models.tokenizer import eos_token_ids
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(target)
@@ -173,7 +174,7 @@ def _seconds_per_step(module, examples: distill.Examples, recipe: distill.Recipe
 def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float, batch: int,
         temperatures: list[float], max_new: int, recipe: distill.Recipe, max_epochs: float,
         eval_every: int) -> dict:
-    from specdec.models import load_hf_model
+    from specdec.models.hub import load_hf_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -224,7 +225,7 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
                  "vocab_coverage_held_out": round(distill.coverage(held, vocab_map), 4)},
         "training": figures,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "run_command": "python -m specdec.distill_gpu " + " ".join(sys.argv[1:]),
+        "run_command": "python -m specdec.distill.gpu " + " ".join(sys.argv[1:]),
         "time_s": {"load": round(t_loaded - t_start, 1), "data": round(t_data - t_loaded, 1),
                    "train": round(t_train - t_data, 1)},
     }
@@ -237,8 +238,8 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
 
 
 def finish(out: pathlib.Path, draft_out: pathlib.Path, target: str, command: str) -> dict:
-    from specdec import draft_model
-    from specdec.engine import ArchConfig
+    from specdec.models import draft_model
+    from specdec.models.arch import ArchConfig
 
     card = json.loads((out / RESULT_FILE).read_text())
     weights = {}
@@ -259,7 +260,7 @@ def finish(out: pathlib.Path, draft_out: pathlib.Path, target: str, command: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specdec.distill_gpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m specdec.distill.gpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="step", required=True)
     a = sub.add_parser("prepare", help="tokenize prompts, take the held-out answers")
@@ -306,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_epochs, args.eval_every)
     else:
         finish(out, pathlib.Path(args.draft_out or out / "draft"), args.target,
-               " ".join(["python -m specdec.distill_gpu"] + sys.argv[1:]))
+               " ".join(["python -m specdec.distill.gpu"] + sys.argv[1:]))
     return 0
 
 

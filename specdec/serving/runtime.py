@@ -15,12 +15,12 @@ import statistics
 import torch
 
 from specdec.config import ServiceConfig
-from specdec.drafting import DraftWork, NgramDrafter, Proposal, ProposeCall
-from specdec.engine import LlamaEngine
-from specdec.kernels import timed
-from specdec.scheduler import BatchScheduler
-from specdec.session import SessionStore
-from specdec.target import VerifyCall, VerifyResult, VerifyWork
+from specdec.serving.drafting import DraftWork, NgramDrafter, Proposal, ProposeCall
+from specdec.serving.engine import LlamaEngine
+from specdec.serving.kernels import timed
+from specdec.serving.scheduler import BatchScheduler
+from specdec.serving.session import SessionStore
+from specdec.serving.target import VerifyCall, VerifyResult, VerifyWork
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""gRPC plumbing shared by the two services and the orchestrator's channels.
+"""A model service's gRPC host: binds, loads the model in the background, then serves.
 
-The only module of the core that knows about the network: server and channel options (message
-size limits, keepalive), TLS / mutual TLS credentials, the standard health service and
-reflection, and the mapping from core errors to gRPC status codes.
+The standard health service and reflection, the guard that answers INVALID_ARGUMENT to bytes
+that are not a protobuf message, the mapping from core errors to gRPC status codes, and the
+servicer methods both services share.
 """
 
 from __future__ import annotations
@@ -17,70 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from specdec.session import PrefixMismatch, SessionNotFound
+from specdec.rpc.transport import bind, server_options
+from specdec.serving.session import PrefixMismatch, SessionNotFound
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-
-
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple]:
-    """Client side: message limits, and keepalive pings so a dead peer is noticed in ~40 s."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.max_pings_without_data", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
-
-
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple]:
-    """Server side: message limits, and accept the clients' keepalive pings (the default
-    policy answers pings more often than every 5 minutes with GOAWAY "too_many_pings")."""
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
-        ("grpc.http2.max_ping_strikes", 0),
-    ]
-
-
-def _read(path: str | None) -> bytes | None:
-    return pathlib.Path(path).read_bytes() if path else None
-
-
-def server_credentials(cert: str, key: str, client_ca: str | None = None):
-    """TLS server credentials; with ``client_ca`` clients must present a certificate it signed."""
-    return grpc.ssl_server_credentials(
-        [(_read(key), _read(cert))],
-        root_certificates=_read(client_ca),
-        require_client_auth=client_ca is not None,
-    )
-
-
-def channel_credentials(ca: str | None = None, cert: str | None = None, key: str | None = None):
-    """TLS channel credentials: ``ca`` to trust the server, ``cert``/``key`` for mutual TLS."""
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(ca), private_key=_read(key), certificate_chain=_read(cert)
-    )
-
-
-def aio_channel(
-    address: str,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    tls: dict | None = None,
-) -> grpc.aio.Channel:
-    """An asyncio channel to a service; ``tls`` = dict(ca=..., cert=..., key=..., server_name=...)."""
-    options = channel_options(max_message_bytes)
-    if tls:
-        if tls.get("server_name"):
-            options.append(("grpc.ssl_target_name_override", tls["server_name"]))
-        creds = channel_credentials(tls.get("ca"), tls.get("cert"), tls.get("key"))
-        return grpc.aio.secure_channel(address, creds, options=options)
-    return grpc.aio.insecure_channel(address, options=options)
 
 
 class HealthReporter:
@@ -165,19 +105,6 @@ class DecodeGuard(grpc.aio.ServerInterceptor):
 def make_server(max_message_bytes: int) -> grpc.aio.Server:
     return grpc.aio.server(options=server_options(max_message_bytes),
                            interceptors=[DecodeGuard()])
-
-
-def bind(server: grpc.aio.Server, host: str, port: int, config=None) -> int:
-    """Bind host:port (0 = any free port), with TLS when the config has a certificate."""
-    address = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
-    if config is not None and getattr(config, "tls_cert", None):
-        creds = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
-        bound = server.add_secure_port(address, creds)
-    else:
-        bound = server.add_insecure_port(address)
-    if not bound:
-        raise OSError(f"could not bind {address}")
-    return bound
 
 
 async def run_call(context: grpc.aio.ServicerContext, future, work):
@@ -345,53 +272,3 @@ def stats_message(pb, stats: dict) -> object:
     return pb.ServiceStats(**stats)
 
 
-def configure_logging(level: str = "INFO") -> None:
-    """Entry points only: one line per event, with the logger's name."""
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-
-
-def add_service_arguments(parser, default_model: str) -> None:
-    """Command-line flags of a model service (serve-draft / serve-target)."""
-    parser.add_argument("--model", default=default_model, help="model spec (default: %(default)s)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0, help="0 = any free port")
-    parser.add_argument("--port-file", help="write the bound port here once ready")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    parser.add_argument("--cache-cap-mb", type=int, default=1024)
-    parser.add_argument("--max-sessions", type=int, default=256)
-    parser.add_argument("--session-ttl-s", type=float, default=600.0)
-    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    parser.add_argument("--max-batch", type=int, default=16)
-    parser.add_argument("--batch-wait-ms", type=float, default=0.0,
-                        help="starting from idle, wait this long for other calls to join the "
-                             "first pass (default 0: later calls join the next pass anyway)")
-    parser.add_argument("--prefill-chunk", type=int, default=256)
-    parser.add_argument("--kernels", choices=("auto", "onednn", "mkl"), default="auto",
-                        help="CPU linear kernels: auto times oneMKL and prepacked oneDNN at start "
-                             "and keeps the faster for 1 token and for blocks (default)")
-    parser.add_argument("--no-calibrate", action="store_true")
-    parser.add_argument("--tls-cert")
-    parser.add_argument("--tls-key")
-    parser.add_argument("--tls-client-ca", help="require client certificates (mutual TLS)")
-    parser.add_argument("--log-level", default="INFO")
-
-
-def service_config_from_args(args, role: str):
-    from specdec.config import ServiceConfig
-
-    try:
-        return ServiceConfig(
-            model=args.model, role=role, host=args.host, port=args.port, device=args.device,
-            threads=args.threads, cache_cap_mb=args.cache_cap_mb, max_sessions=args.max_sessions,
-            session_ttl_s=args.session_ttl_s, max_message_bytes=args.max_message_bytes,
-            max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
-            prefill_chunk=args.prefill_chunk, kernels=args.kernels,
-            calibrate=not args.no_calibrate, tls_cert=args.tls_cert, tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca,
-        )
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}")

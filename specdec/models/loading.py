@@ -7,10 +7,11 @@ import logging
 import torch
 
 from specdec.config import ServiceConfig
-from specdec.engine import ArchConfig, LlamaEngine
-from specdec.models import load_hf_model, pick_device, resolve_model_dir
-from specdec.runtime import DraftRuntime, ModelInfo, TargetRuntime
-from specdec.tokenizer import eos_token_ids, fingerprint
+from specdec.models.arch import ArchConfig
+from specdec.models.hub import load_hf_model, pick_device, resolve_model_dir
+from specdec.models.tokenizer import eos_token_ids, fingerprint
+from specdec.serving.engine import LlamaEngine
+from specdec.serving.runtime import DraftRuntime, ModelInfo, TargetRuntime
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ def _set_threads(config: ServiceConfig) -> None:
 
 def load_engine(spec: str, device: torch.device, kernels: str = "auto"):
     """(engine, tokenizer, hf_config) for a Hugging Face / GGUF / default model spec."""
-    from specdec import draft_model
+    from specdec.models import draft_model
 
     if draft_model.is_draft_dir(spec):
         return draft_model.load_engine(spec, device, kernels)
@@ -64,8 +65,8 @@ def _model_info(config: ServiceConfig, engine, tokenizer, hf_config) -> ModelInf
 
 def resolve_draft_spec(spec: str, target: str) -> str:
     """The draft spec to load: ``default-draft`` is the shipped draft for the default target."""
-    from specdec import draft_model
-    from specdec.models import is_default_target
+    from specdec.models import draft_model
+    from specdec.models.hub import is_default_target
 
     if spec != DEFAULT_DRAFT:
         return spec
@@ -80,7 +81,7 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
     _set_threads(config)
     spec = resolve_draft_spec(config.model, target)
     if spec == NGRAM:
-        from specdec.models import load_tokenizer
+        from specdec.models.hub import load_tokenizer
 
         tokenizer = load_tokenizer(target)
         info = ModelInfo(

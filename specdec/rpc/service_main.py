@@ -1,0 +1,80 @@
+"""The one entry point of both model services: their flags, logging, and ``serve``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Callable
+
+from specdec.config import ServiceConfig
+from specdec.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """Entry points only: one line per event, with the logger's name."""
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def add_service_arguments(parser, default_model: str) -> None:
+    """Command-line flags of a model service (serve-draft / serve-target)."""
+    parser.add_argument("--model", default=default_model, help="model spec (default: %(default)s)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 = any free port")
+    parser.add_argument("--port-file", help="write the bound port here once ready")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    parser.add_argument("--cache-cap-mb", type=int, default=1024)
+    parser.add_argument("--max-sessions", type=int, default=256)
+    parser.add_argument("--session-ttl-s", type=float, default=600.0)
+    parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--batch-wait-ms", type=float, default=0.0,
+                        help="starting from idle, wait this long for other calls to join the "
+                             "first pass (default 0: later calls join the next pass anyway)")
+    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--kernels", choices=("auto", "onednn", "mkl"), default="auto",
+                        help="CPU linear kernels: auto times oneMKL and prepacked oneDNN at start "
+                             "and keeps the faster for 1 token and for blocks (default)")
+    parser.add_argument("--no-calibrate", action="store_true")
+    parser.add_argument("--tls-cert")
+    parser.add_argument("--tls-key")
+    parser.add_argument("--tls-client-ca", help="require client certificates (mutual TLS)")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def service_config_from_args(args, role: str) -> ServiceConfig:
+    try:
+        return ServiceConfig(
+            model=args.model, role=role, host=args.host, port=args.port, device=args.device,
+            threads=args.threads, cache_cap_mb=args.cache_cap_mb, max_sessions=args.max_sessions,
+            session_ttl_s=args.session_ttl_s, max_message_bytes=args.max_message_bytes,
+            max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
+            prefill_chunk=args.prefill_chunk, kernels=args.kernels,
+            calibrate=not args.no_calibrate, tls_cert=args.tls_cert, tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}")
+
+
+def serve(args, make_host: Callable, role: str, **host_args) -> None:
+    """Run a model service until it is terminated: ``make_host(config, **host_args)`` builds its
+    ServiceHost (inside the running event loop, where the aio server must be made)."""
+    configure_logging(args.log_level)
+    config = service_config_from_args(args, role=role)
+
+    async def serve_forever() -> None:
+        await make_host(config, **host_args).serve_forever(args.port_file)
+
+    asyncio.run(serve_forever())
+
+
+def main(argv, prog: str, description: str, add_arguments: Callable, run: Callable) -> None:
+    """``python -m draft_service`` / ``target_service``: parse the flags, then ``run(args)``."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    run(parser.parse_args(argv))
