@@ -59,7 +59,7 @@ def _all_systems():
 def cmd_bench(args) -> int:
     from bench import report
     from bench.harness import BASELINE, HF_SYSTEMS, HFSystems, Run, SpecdecSystems, load_prompts
-    from orchestrator.cli import encode_prompt
+    from specdec.models.tokenizer import encode_prompt
 
     if args.concurrency:
         return cmd_concurrency(args)
@@ -121,7 +121,7 @@ def cmd_bench(args) -> int:
 def cmd_concurrency(args) -> int:
     from bench import concurrency
     from bench.harness import HFSystems, SpecdecSystems, load_prompts
-    from orchestrator.cli import encode_prompt
+    from specdec.models.tokenizer import encode_prompt
 
     levels = [int(x) for x in args.concurrency.split(",")]
     if any(n < 1 for n in levels):

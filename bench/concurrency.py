@@ -26,7 +26,7 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def run_levels(levels: list[int], prompt_ids: list[list[int]], max_new: int, hf, spd,
                k: int | None) -> dict:
-    from orchestrator.loop import GenerationRequest
+    from orchestrator.generation import GenerationRequest
 
     reference: dict[int, list[int]] = {}
     rows = []

@@ -133,9 +133,9 @@ def cmd_bench_rules(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from orchestrator.cli import encode_prompt
     from specdec.config import SamplingParams
     from specdec.models.loading import load_engine, resolve_draft_spec
+    from specdec.models.tokenizer import encode_prompt
 
     cpu = torch.device("cpu")
     target, tokenizer, _ = load_engine(args.target, cpu)
@@ -303,9 +303,9 @@ def cmd_bench_divergence(args) -> int:
     from tqdm import tqdm
 
     from bench.harness import SpecdecSystems
-    from orchestrator.cli import encode_prompt
     from specdec.config import SamplingParams
     from specdec.models.loading import load_engine
+    from specdec.models.tokenizer import encode_prompt
 
     # One thread: this process only scores margins between runs, and its OpenMP pool must not
     # spin on the cores the services are generating on.

@@ -132,7 +132,7 @@ class SpecdecSystems:
 
     def run(self, system: str, prompt_ids: list[int], max_new: int, k: int | None,
             sampling=None) -> Run:
-        from orchestrator.loop import GenerationRequest
+        from orchestrator.generation import GenerationRequest
         from specdec.config import SamplingParams
 
         orch, mode = {

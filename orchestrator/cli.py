@@ -10,6 +10,7 @@ import os
 import sys
 
 from specdec.config import DEFAULT_RULE, RULES
+from specdec.models.tokenizer import encode_prompt
 
 log = logging.getLogger(__name__)
 
@@ -105,25 +106,6 @@ def tls_from_args(args) -> dict | None:
     return dict(ca=ca, cert=cert, key=key, server_name=args.tls_server_name)
 
 
-def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool | None) -> list[int]:
-    """Prompt ids. A string: chat (default when the tokenizer has a template) wraps it as one
-    user message and applies the chat template. A list of messages: always the template."""
-    if isinstance(prompt, list):
-        return _chat_ids(tokenizer, prompt)
-    if chat is None:
-        chat = bool(getattr(tokenizer, "chat_template", None))
-    if chat:
-        return _chat_ids(tokenizer, [{"role": "user", "content": prompt}])
-    return [int(t) for t in tokenizer(prompt)["input_ids"]]
-
-
-def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
-
-
 def read_prompt_file(path: str) -> list[str | list[dict]]:
     """Prompts from a file: JSONL (a "prompt" string or a "messages" list per line, so prompts
     may span lines and hold whole chats) when it ends in .jsonl, else one prompt per line."""
@@ -205,7 +187,7 @@ class Pair:
 
 
 def cmd_generate(args) -> int:
-    from orchestrator.loop import GenerationRequest
+    from orchestrator.generation import GenerationRequest
     from specdec.config import SamplingParams
 
     prompts = []

@@ -17,13 +17,21 @@ service).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
 from typing import AsyncIterator
 
 from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
+from orchestrator.generation import (
+    Block,
+    Delta,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    Round,
+    TokenLogprob,
+)
 from orchestrator.service_clients import (
     CallRecord,
     DraftClient,
@@ -32,195 +40,17 @@ from orchestrator.service_clients import (
     TargetClient,
 )
 from orchestrator.text import TextStream
-from specdec.config import MAX_K, MAX_TOP_LOGPROBS, SamplingParams
+from specdec.config import MAX_K, SamplingParams
 from specdec.serving.drafting import lookup
 from specdec.wire import specdec_pb2 as pb
 
 log = logging.getLogger(__name__)
-
-MODES = ("pipelined", "spec", "target-only")
-
-
-@dataclasses.dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    max_new_tokens: int = 128
-    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
-    stop: list[str] = dataclasses.field(default_factory=list)
-    mode: str = "pipelined"
-    k: int | None = None  # None = adaptive
-    request_id: str = ""
-    # Prompt lookup before the draft model: when the history's last tokens occurred earlier,
-    # propose what followed them (free, and strong on input-grounded text).
-    prompt_lookup: bool = True
-    # None: no log-probabilities; N (0..20): each generated token's, and its N likeliest
-    # alternatives' (the target's raw log-softmax at that position)
-    logprobs: int | None = None
-    # Also the log-probability of each prompt token but the first (prompt scoring, `echo`)
-    prompt_logprobs: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.prompt_ids:
-            raise ValueError("the prompt is empty")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
-        if self.k is not None and not (0 <= self.k <= MAX_K):
-            raise ValueError(f"k must be in [0, {MAX_K}], got {self.k}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
-                             f"got {self.logprobs}")
-        if not self.request_id:
-            self.request_id = uuid.uuid4().hex[:16]
-
-
-@dataclasses.dataclass
-class GenerationStats:
-    mode: str = ""
-    rounds: int = 0
-    draft_tokens: int = 0  # proposed tokens that were verified
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
-    rounds_per_k: dict[int, int] = dataclasses.field(default_factory=dict)
-    tokens_per_round: list[int] = dataclasses.field(default_factory=list)
-    k_requested: list[int] = dataclasses.field(default_factory=list)  # k asked of the draft
-    lookup_rounds: int = 0  # rounds whose block came from prompt lookup, not the draft model
-    lookup_drafted: int = 0
-    lookup_accepted: int = 0
-    pipeline_hits: int = 0  # rounds whose block was drafted during the previous verify
-    pipeline_misses: int = 0  # speculative blocks dropped (rejection or wrong guess)
-    re_prefills: int = 0
-    tokens_without_draft: int = 0  # emitted while the draft was down or failing
-    draft_failures: int = 0
-    wall_s: float = 0.0
-    ttft_s: float = 0.0
-    calls: list[CallRecord] = dataclasses.field(default_factory=list)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
-
-    @property
-    def k_mean(self) -> float:
-        n = sum(self.rounds_per_k.values())
-        return sum(k * c for k, c in self.rounds_per_k.items()) / n if n else 0.0
-
-    def time_split(self) -> dict[str, float]:
-        """Seconds of draft compute, verify compute, network (RPC time not computing) and idle
-        (wall time when no call was in flight), and overlap efficiency."""
-        draft = sum(c.compute_ms for c in self.calls if c.service == "draft") / 1000.0
-        verify = sum(c.compute_ms for c in self.calls if c.service == "target") / 1000.0
-        rpc_time = {"draft": 0.0, "target": 0.0}
-        for c in self.calls:
-            rpc_time[c.service] += c.end - c.start
-        network = max(0.0, rpc_time["draft"] - draft) + max(0.0, rpc_time["target"] - verify)
-        busy = _union_length([(c.start, c.end) for c in self.calls])
-        wall = self.wall_s or 1e-9
-        return dict(
-            draft_s=draft,
-            verify_s=verify,
-            network_s=network,
-            idle_s=max(0.0, wall - busy),
-            overlap_efficiency=(draft + verify) / wall,
-        )
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if s > end:
-            total += e - s
-            end = e
-        elif e > end:
-            total += e - end
-            end = e
-    return total
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    request_id: str
-    token_ids: list[int]  # generated ids (EOS included when it ended the text)
-    text: str
-    finish_reason: str  # "stop" (EOS or stop string) | "length"
-    prompt_tokens: int
-    stats: GenerationStats
-    # with GenerationRequest.logprobs: one TokenLogprob per token id, else []
-    logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
-    # with GenerationRequest.prompt_logprobs: one per prompt token but the first
-    prompt_logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
-
-    def summary(self) -> dict:
-        s = self.stats
-        n = len(self.token_ids)
-        split = s.time_split()
-        return dict(
-            request_id=self.request_id,
-            text=self.text,
-            token_ids=self.token_ids,
-            finish_reason=self.finish_reason,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=n,
-            mode=s.mode,
-            rounds=s.rounds,
-            draft_tokens=s.draft_tokens,
-            accepted_tokens=s.accepted_tokens,
-            acceptance_rate=round(s.acceptance_rate, 4),
-            mean_tokens_per_round=round(sum(s.tokens_per_round) / s.rounds, 4) if s.rounds else 0.0,
-            k_mean=round(s.k_mean, 3),
-            tokens_per_s=round(n / s.wall_s, 3) if s.wall_s else 0.0,
-            wall_s=round(s.wall_s, 4),
-            ttft_s=round(s.ttft_s, 4),
-            overlap_efficiency=round(split["overlap_efficiency"], 4),
-            # Wall time per round beyond the services' compute (RPCs, the orchestrator's own
-            # work, idle waits); in pipelined rounds overlapped compute counts once.
-            overhead_ms_per_round=round(max(0.0, s.wall_s - _union_length(
-                [(c.end - c.compute_ms / 1000.0, c.end) for c in s.calls])) / s.rounds * 1000.0,
-                3) if s.rounds else 0.0,
-            time_split={k: round(v, 4) for k, v in split.items() if k != "overlap_efficiency"},
-            lookup_rounds=s.lookup_rounds,
-            lookup_acceptance=round(s.lookup_accepted / s.lookup_drafted, 4)
-            if s.lookup_drafted else 0.0,
-            pipeline_hits=s.pipeline_hits,
-            pipeline_misses=s.pipeline_misses,
-            re_prefills=s.re_prefills,
-            tokens_without_draft=s.tokens_without_draft,
-            accepted_per_position=s.accepted_per_position,
-        )
-
-
-@dataclasses.dataclass
-class Delta:
-    """Streamed piece of a generation: new text and the token ids it came from."""
-
-    text: str
-    token_ids: list[int]
-    logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class TokenLogprob:
-    """The target's log-probability of a generated token, and the likeliest alternatives at its
-    position (token id, log-probability), most likely first."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]
 
 
 def _token_logprobs(tokens: list[int], entries) -> list[TokenLogprob]:
     """TokenLogprobs of a VerifyResponse (wire) as TokenLogprob, one per token."""
     return [TokenLogprob(t, e.logprob, list(zip(e.top_ids, e.top_logprobs)))
             for t, e in zip(tokens, entries)]
-
-
-class _Block:
-    """A drafted block: tokens and their q's (sparse, rejection rule only)."""
-
-    def __init__(self, tokens: list[int], dists: list):
-        self.tokens = tokens
-        self.dists = dists
 
 
 LOOKUP_MIN_NGRAM = 3  # matched tokens a lookup block needs to take a draft model's round
@@ -230,7 +60,7 @@ LOOKUP_MAX_TOKENS = 8
 
 
 def _lookup_block(history: list[int], room: int, sampling: SamplingParams,
-                  min_ngram: int) -> _Block | None:
+                  min_ngram: int) -> Block | None:
     """Prompt lookup: what followed the latest earlier occurrence of the history's last
     ``min_ngram``..5 tokens, as a block (q is one-hot on each proposed token), or None."""
     if room < 1:
@@ -238,7 +68,8 @@ def _lookup_block(history: list[int], room: int, sampling: SamplingParams,
     tokens = lookup(history, min(LOOKUP_MAX_TOKENS, room), LOOKUP_MAX_NGRAM, min_ngram)
     if not tokens:
         return None
-    return _Block(tokens, [] if sampling.drafter_invariant else [([t], [1.0]) for t in tokens])
+    return Block(tokens, [] if sampling.drafter_invariant else [([t], [1.0]) for t in tokens],
+                 source="lookup")
 
 
 class Orchestrator:
@@ -293,7 +124,13 @@ class Orchestrator:
         return result
 
     async def stream(self, req: GenerationRequest) -> AsyncIterator[Delta | GenerationResult]:
-        """Yield text deltas as tokens are committed, then the GenerationResult."""
+        """Yield text deltas as tokens are committed, then the GenerationResult.
+
+        A round: plan a block (drafted, carried over from the pipelined draft, or looked up),
+        let the draft draft past it while the target verifies it (pipelined), count the verdict,
+        commit the round's tokens. ``stats.record`` counts every round; the drafting decides
+        and learns k.
+        """
         if len(req.prompt_ids) + req.max_new_tokens > self.max_context:
             raise ValueError(
                 f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens ({req.max_new_tokens}) "
@@ -302,157 +139,66 @@ class Orchestrator:
         session_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         stats = GenerationStats(mode=req.mode)
         history = History(req.prompt_ids)
-        n_prompt = len(req.prompt_ids)
-        generated: list[int] = []
-        logprobs: list[TokenLogprob] = []  # in step with generated (when asked for)
+        out = _Output(self.tokenizer, req, self.eos_ids)
+        drafting = _Drafting(self, req, session_id, stats)
+        pipeline = _Pipeline(drafting) if req.mode == "pipelined" and self.draft else None
         prompt_logprobs: list[TokenLogprob] = []
-        streamed = 0  # generated ids already handed out in a Delta
-        text = TextStream(self.tokenizer, req.stop)
-        finish = "length"
         started = time.perf_counter()
-        use_draft = req.mode != "target-only" and self.draft is not None
-        k_ctl = self._controller(req) if use_draft else None
-        lookup = (self._lookup_sizer(req)
-                  if req.prompt_lookup and req.mode != "target-only" else None)
-        spec_task: asyncio.Task | None = None
-        block: _Block | None = None
+        carried: Block | None = None  # the next block, drafted during the last verify
+        done = False
         try:
-            while True:
-                remaining = req.max_new_tokens - len(generated)
-                k = min(k_ctl.next_k(), remaining - 1, MAX_K) if k_ctl else 0
-                k = max(k, 0)
-                stats.k_requested.append(k)
-                # 1. the block for this round. Pipelined, the first round drafts nothing: the
-                # target's prefill produces its first token while the draft prefills and drafts
-                # past its guess of that token (step 2), which gives time to first token = the
-                # target's prefill alone.
-                no_draft = looked_up = False
-                first_pipelined = (req.mode == "pipelined" and stats.rounds == 0 and k > 0
-                                   and await self.draft.available())
-                if block is None and lookup is not None:
-                    size = min(lookup.size(), remaining - 1)
-                    block = _lookup_block(history.tokens, size, req.sampling,
-                                          LOOKUP_MIN_NGRAM if k > 0 else LOOKUP_MIN_NGRAM_ALONE)
-                    looked_up = block is not None
-                if looked_up:
-                    k = len(block.tokens)  # free to draft: the verify pass decides
-                    first_pipelined = False
-                    stats.lookup_rounds += 1
-                elif first_pipelined:
-                    block = _Block([], [])
-                elif k > 0 and block is None:
-                    if await self.draft.available():
-                        block = await self._draft(session_id, history, [], k, req, stats)
-                    no_draft = block is None
-                    if block is None:
-                        k = 0
-                elif block is not None and len(block.tokens) > k:
-                    block = _Block(block.tokens[:k], block.dists[:k])
-                if k == 0 or block is None:
-                    block = _Block([], [])
-                # 2. pipelined: keep drafting past the block while the target verifies it
-                k_next = 0
-                if (req.mode == "pipelined" and (block.tokens or first_pipelined)
-                        and self.draft is not None and remaining - len(block.tokens) - 1 > 0):
-                    # The draft also drafts its guess of the target's token: k_next + 1 <= MAX_K.
-                    k_next = min(k_ctl.next_k(after_full_accept=True), MAX_K - 1,
-                                 remaining - len(block.tokens) - 2)
-                if k_next > 0:
-                    spec_task = asyncio.create_task(
-                        self._draft(session_id, history, block.tokens, k_next + 1, req, stats,
-                                    speculative=True)
-                    )
-                # 3. verify
-                resp, rec = await self.target.verify(
-                    session_id, history, block.tokens,
-                    [pb.SparseDist(ids=i, probs=p) for i, p in block.dists],
-                    req.sampling, req.request_id, req.logprobs,
-                    prompt_logprobs=req.prompt_logprobs and stats.rounds == 0,
-                )
-                if req.prompt_logprobs and stats.rounds == 0:
-                    prompt_logprobs = _token_logprobs(req.prompt_ids[1:], resp.prompt_logprobs)
-                self._record(stats, rec)
-                n_acc = int(resp.num_accepted)
-                new = block.tokens[:n_acc] + [int(resp.next_token)]
-                if req.logprobs is not None:
-                    logprobs += _token_logprobs(new, resp.logprobs)
-                stats.rounds += 1
-                stats.rounds_per_k[len(block.tokens)] = stats.rounds_per_k.get(len(block.tokens), 0) + 1
-                stats.draft_tokens += len(block.tokens)
-                stats.accepted_tokens += n_acc
-                while len(stats.accepted_per_position) < len(block.tokens):
-                    stats.accepted_per_position.append(0)
-                for i in range(n_acc):
-                    stats.accepted_per_position[i] += 1
-                stats.tokens_per_round.append(len(new))
-                if no_draft:  # the draft was down or failed: this round's token came alone
-                    stats.tokens_without_draft += 1
-                if looked_up:  # the draft model's acceptance is learnt from its own blocks
-                    stats.lookup_drafted += len(block.tokens)
-                    stats.lookup_accepted += n_acc
-                    lookup.observe(n_acc)
-                elif k_ctl is not None and block.tokens:
-                    k_ctl.observe(len(block.tokens), n_acc)
-                elif k_ctl is not None:
-                    k_ctl.observe(0, 0)
-                # 4. the next block: from the speculation if it guessed right
-                next_block = None
-                if spec_task is not None:
-                    if n_acc == len(block.tokens) and not spec_task.done():
-                        spec = await spec_task
-                    elif n_acc == len(block.tokens):
-                        spec = spec_task.result()
-                    else:
-                        spec = None
-                        spec_task.cancel()
-                    if spec is not None and spec.tokens and spec.tokens[0] == resp.next_token:
-                        next_block = _Block(spec.tokens[1:], spec.dists[1:])
-                        stats.pipeline_hits += 1
-                    else:
-                        stats.pipeline_misses += 1
-                    spec_task = None
-                block = next_block if next_block is not None and next_block.tokens else None
-                # 5. commit, then stop conditions
-                done = False
-                for i, tok in enumerate(new):
-                    generated.append(tok)
-                    if tok in self.eos_ids:
-                        finish, done = "stop", True
-                        break
-                    if len(generated) >= req.max_new_tokens:
-                        done = True
-                        break
-                history.extend(new[: i + 1])
+            while not done:
+                block = await drafting.plan(history, carried, out.remaining, stats.rounds == 0)
+                if pipeline is not None:
+                    pipeline.draft_behind(history, block, out.remaining)
+                rnd = await self._verify(session_id, history, block, req, stats)
+                stats.record(rnd)
+                drafting.learn(rnd)
+                prompt_logprobs = prompt_logprobs or rnd.prompt_logprobs
+                carried = await pipeline.next_block(rnd) if pipeline is not None else None
+                taken, delta, done = out.commit(rnd.tokens, rnd.logprobs)
+                history.extend(taken)
                 if stats.ttft_s == 0.0:
                     stats.ttft_s = time.perf_counter() - started
-                delta = text.update(generated, final=done)
-                if text.stopped:
-                    finish, done = "stop", True
-                    generated = generated[: text.stop_token_count]
-                if delta or (done and streamed < len(generated)):
-                    # the ids not yet streamed, none past EOS or the stop string
-                    yield Delta(delta, generated[streamed:], logprobs[streamed:len(generated)])
-                    streamed = len(generated)
-                if done:
-                    break
+                if delta is not None:
+                    yield delta
         finally:
-            if spec_task is not None:
-                spec_task.cancel()
+            if pipeline is not None:
+                pipeline.cancel()
             stats.wall_s = time.perf_counter() - started
             stats.re_prefills = sum(c.re_prefilled for c in stats.calls)
             await asyncio.shield(self._close(session_id))
-        yield GenerationResult(req.request_id, generated, text.text, finish, n_prompt, stats,
-                               logprobs[: len(generated)], prompt_logprobs)
+        yield GenerationResult(req.request_id, out.tokens, out.text.text, out.finish,
+                               len(req.prompt_ids), stats, out.logprobs[: len(out.tokens)],
+                               prompt_logprobs)
+
+    async def _verify(self, session_id: str, history: History, block: Block,
+                      req: GenerationRequest, stats: GenerationStats) -> Round:
+        first = stats.rounds == 0
+        resp, rec = await self.target.verify(
+            session_id, history, block.tokens,
+            [pb.SparseDist(ids=i, probs=p) for i, p in block.dists],
+            req.sampling, req.request_id, req.logprobs,
+            prompt_logprobs=req.prompt_logprobs and first,
+        )
+        self._record(stats, rec)
+        rnd = Round(block, int(resp.num_accepted), int(resp.next_token))
+        if req.logprobs is not None:
+            rnd.logprobs = _token_logprobs(rnd.tokens, resp.logprobs)
+        if req.prompt_logprobs and first:
+            rnd.prompt_logprobs = _token_logprobs(req.prompt_ids[1:], resp.prompt_logprobs)
+        return rnd
 
     async def _draft(self, session_id: str, history: History, extra: list[int], k: int,
-                     req: GenerationRequest, stats: GenerationStats,
-                     speculative: bool = False) -> _Block | None:
-        """A block from the draft, or None when the draft failed (the round goes on without)."""
+                     req: GenerationRequest, stats: GenerationStats, source: str = "draft",
+                     ) -> Block | None:
+        """A block of k from the draft after history + extra, or None when the draft failed
+        (the round goes on without it)."""
         try:
             resp, rec = await self.draft.propose(session_id, history, extra, k, req.sampling,
                                                  req.request_id)
         except asyncio.CancelledError:
-            if speculative:
+            if source == "pipelined":  # a draft behind a verify, dropped by its verdict
                 t = time.perf_counter()
                 stats.calls.append(CallRecord("draft", t, t, 0.0, 0, "cancelled"))
             raise
@@ -463,10 +209,157 @@ class Orchestrator:
             log.warning("request %s: draft failed (%s); continuing without it", req.request_id, exc)
             return None
         self._record(stats, rec)
-        return _Block(list(resp.tokens), [(list(d.ids), list(d.probs)) for d in resp.dists])
+        return Block(list(resp.tokens), [(list(d.ids), list(d.probs)) for d in resp.dists],
+                     source=source)
 
     async def _close(self, session_id: str) -> None:
         closers = [self.target.close_session(session_id)]
         if self.draft is not None:
             closers.append(self.draft.close_session(session_id))
         await asyncio.gather(*closers, return_exceptions=True)
+
+
+class _Drafting:
+    """The drafting side of one generation: k from the controller, the block of each round
+    (prompt lookup, the draft model, or the block drafted behind the last verify), and what
+    the verdicts teach the controller and the lookup sizer."""
+
+    def __init__(self, orch: Orchestrator, req: GenerationRequest, session_id: str,
+                 stats: GenerationStats):
+        self.orch, self.req, self.session_id, self.stats = orch, req, session_id, stats
+        speculate = req.mode != "target-only"
+        self.k_ctl = orch._controller(req) if speculate and orch.draft is not None else None
+        self.lookup = orch._lookup_sizer(req) if speculate and req.prompt_lookup else None
+
+    async def plan(self, history: History, carried: Block | None, remaining: int,
+                   first_round: bool) -> Block:
+        """This round's block. Pipelined, the first round drafts nothing: the target's
+        prefill produces its first token while the draft prefills and drafts past its guess
+        of that token, which gives time to first token = the target's prefill alone."""
+        k = max(min(self.k_ctl.next_k(), remaining - 1, MAX_K), 0) if self.k_ctl else 0
+        draft = self.orch.draft
+        if carried is None and self.lookup is not None:
+            found = _lookup_block(history.tokens, min(self.lookup.size(), remaining - 1),
+                                  self.req.sampling,
+                                  LOOKUP_MIN_NGRAM if k > 0 else LOOKUP_MIN_NGRAM_ALONE)
+            if found is not None:  # free to draft: the verify pass decides
+                found.k = k
+                return found
+        if k == 0:
+            return Block([], source="none", k=0)
+        if carried is not None:
+            block = carried.cut(k)
+            block.k = k
+            return block
+        available = await draft.available()
+        if first_round and self.req.mode == "pipelined" and available:
+            return Block([], source="first", k=k)
+        block = await self.draft_block(history, [], k) if available else None
+        if block is None:
+            return Block([], source="none", k=k, draft_failed=True)
+        block.k = k
+        return block
+
+    async def draft_block(self, history: History, extra: list[int], k: int,
+                          source: str = "draft") -> Block | None:
+        return await self.orch._draft(self.session_id, history, extra, k, self.req,
+                                      self.stats, source)
+
+    def learn(self, rnd: Round) -> None:
+        """The verdict teaches whoever drafted the block (the draft model's acceptance is
+        learnt from its own blocks only)."""
+        if rnd.block.source == "lookup":
+            self.lookup.observe(rnd.accepted)
+        elif self.k_ctl is not None:
+            self.k_ctl.observe(len(rnd.block.tokens), rnd.accepted)
+
+
+class _Pipeline:
+    """Pipelining: while the target verifies a block, the draft drafts past it, its guess of
+    the target's token first. The next round takes that block at once when the verdict
+    accepts the whole block and the guess was the target's token; otherwise it is cancelled
+    and the draft rolls back to the committed tokens (its next call's prefix says so)."""
+
+    def __init__(self, drafting: _Drafting):
+        self.drafting = drafting
+        self.task: asyncio.Task | None = None
+
+    def draft_behind(self, history: History, block: Block, remaining: int) -> None:
+        if not (block.tokens or block.source == "first"):
+            return
+        room = remaining - len(block.tokens) - 1
+        if room <= 0:
+            return
+        # The draft also drafts its guess of the target's token: k_next + 1 <= MAX_K.
+        k_next = min(self.drafting.k_ctl.next_k(after_full_accept=True), MAX_K - 1, room - 1)
+        if k_next > 0:
+            self.task = asyncio.create_task(
+                self.drafting.draft_block(history, block.tokens, k_next + 1, "pipelined"))
+
+    async def next_block(self, rnd: Round) -> Block | None:
+        """The block drafted behind ``rnd`` if its verdict keeps it, else None."""
+        if self.task is None:
+            return None
+        task, self.task = self.task, None
+        stats = self.drafting.stats
+        if rnd.full_accept:
+            ahead = await task
+        else:
+            task.cancel()
+            ahead = None
+        if ahead is None or not ahead.tokens or ahead.tokens[0] != rnd.next_token:
+            stats.pipeline_misses += 1
+            return None
+        stats.pipeline_hits += 1
+        return Block(ahead.tokens[1:], ahead.dists[1:], source="pipelined") \
+            if len(ahead.tokens) > 1 else None
+
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+
+
+class _Output:
+    """The committed tokens of a generation, its text, and what has been streamed of them."""
+
+    def __init__(self, tokenizer, req: GenerationRequest, eos_ids: set[int]):
+        self.req = req
+        self.eos_ids = eos_ids
+        self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprob] = []  # in step with tokens (when asked for)
+        self.streamed = 0  # tokens already handed out in a Delta
+        self.text = TextStream(tokenizer, req.stop)
+        self.finish = "length"
+
+    @property
+    def remaining(self) -> int:
+        return self.req.max_new_tokens - len(self.tokens)
+
+    def commit(self, new: list[int], logprobs: list[TokenLogprob],
+               ) -> tuple[list[int], Delta | None, bool]:
+        """Take a round's tokens up to EOS, the length limit or a stop string: returns the
+        tokens that extend the history, the delta to stream (or None), and whether the
+        generation is done."""
+        done = False
+        taken = 0
+        for tok in new:
+            self.tokens.append(tok)
+            taken += 1
+            if tok in self.eos_ids:
+                self.finish, done = "stop", True
+                break
+            if len(self.tokens) >= self.req.max_new_tokens:
+                done = True
+                break
+        self.logprobs += logprobs
+        text = self.text.update(self.tokens, final=done)
+        if self.text.stopped:
+            self.finish, done = "stop", True
+            self.tokens = self.tokens[: self.text.stop_token_count]
+        delta = None
+        if text or (done and self.streamed < len(self.tokens)):
+            # the ids not yet streamed, none past EOS or the stop string
+            delta = Delta(text, self.tokens[self.streamed:],
+                          self.logprobs[self.streamed:len(self.tokens)])
+            self.streamed = len(self.tokens)
+        return new[:taken], delta, done

@@ -14,7 +14,8 @@ import hashlib
 import logging
 from typing import AsyncIterator, Iterator
 
-from orchestrator.loop import Delta, GenerationRequest, GenerationResult, Orchestrator
+from orchestrator.generation import Delta, GenerationRequest, GenerationResult
+from orchestrator.loop import Orchestrator
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,8 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from orchestrator.cli import Pair, resolve_auto
-    from orchestrator.http.app import ServeDefaults, create_app
+    from orchestrator.http.app import create_app
+    from orchestrator.http.schemas import ServeDefaults
 
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise SystemExit("error: --ssl-certfile and --ssl-keyfile must be given together")

@@ -257,7 +257,7 @@ class ApiHost:
 async def generate_on(services, draft_key, prompt, mode, k, max_new=40, sampling=None, hook=None):
     """One generation over the services (draft_key None: target-only); its result. hook(n)
     is awaited after the n-th streamed delta."""
-    from orchestrator.loop import GenerationRequest
+    from orchestrator.generation import GenerationRequest
     from orchestrator.pair import close, connect
     from specdec.config import SamplingParams
 

@@ -14,7 +14,7 @@ import pytest
 from conftest import MODEL, ApiHost, ServiceThread, hf_greedy, run, scrape
 from starlette.responses import JSONResponse, Response
 
-from orchestrator.http.app import ServeDefaults
+from orchestrator.http.schemas import ServeDefaults
 from orchestrator.http_client import (
     AsyncSpecdecClient,
     AuthenticationError,

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.real
 
 MAX_NEW = 32
 def test_openai_streams_the_target_only_greedy_answer(serve_with_key):
-    from orchestrator.cli import encode_prompt
     from specdec.models.hub import load_tokenizer
+    from specdec.models.tokenizer import encode_prompt
 
     _, url, _ = serve_with_key
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY)

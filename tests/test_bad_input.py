@@ -14,8 +14,8 @@ import httpx
 import pytest
 from conftest import MODEL, ApiHost, ServiceThread, hf_greedy, run
 
-from orchestrator.http.app import ServeDefaults
-from orchestrator.loop import GenerationRequest
+from orchestrator.generation import GenerationRequest
+from orchestrator.http.schemas import ServeDefaults
 from orchestrator.pair import close, connect
 from specdec.models.hub import load_tokenizer
 from specdec.serving.session import rolling_hash

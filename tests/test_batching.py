@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from conftest import ServiceThread, hf_greedy, run
 
-from orchestrator.loop import GenerationRequest
+from orchestrator.generation import GenerationRequest
 from orchestrator.pair import close, connect
 from specdec.config import SamplingParams
 

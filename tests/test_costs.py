@@ -66,7 +66,8 @@ def test_k_falls_to_zero_under_a_large_batch_and_rises_when_it_empties():
 def test_rejection_sampled_requests_keep_the_calibrated_costs():
     """Under the rejection rule k changes a seeded request's text, so k must not follow
     timings; greedy and coupled-sampled requests (k cannot change their text) use live costs."""
-    from orchestrator.loop import GenerationRequest, Orchestrator
+    from orchestrator.generation import GenerationRequest
+    from orchestrator.loop import Orchestrator
     from specdec.config import SamplingParams
 
     class Info:

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -287,6 +288,7 @@ def serve_errors(config: dict) -> list[str]:
     from ray.serve.schema import ServeDeploySchema
 
     from orchestrator.ray import app as ray_app
+    from orchestrator.ray.config import RayAppConfig
 
     try:
         schema = ServeDeploySchema.model_validate(config)
@@ -298,7 +300,7 @@ def serve_errors(config: dict) -> list[str]:
             errors.append(f"unexpected import_path {app.import_path}")
             continue
         try:
-            ray_app.RayAppConfig.from_dict(app.args)
+            RayAppConfig.from_dict(app.args)
         except ValueError as exc:
             errors.append(str(exc))
         errors += [f"no deployment named {d.name}" for d in app.deployments
@@ -313,10 +315,11 @@ def test_serve_config_passes_ray_serve_schema(rendered, tree):
 
 def test_serve_app_points_at_the_draft_and_target_services(rendered):
     from orchestrator.ray import app as ray_app
+    from orchestrator.ray.config import RayAppConfig
 
     docs = rendered["default"]
     (app,) = serve_config(docs)["applications"]
-    cfg = ray_app.RayAppConfig.from_dict(app["args"])
+    cfg = RayAppConfig.from_dict(app["args"])
     for group in (cfg.target, cfg.draft):
         assert not group.uses_actors
         (address,) = group.addresses
@@ -351,10 +354,10 @@ def test_a_broken_serve_config_fails(rendered):
 
 
 def test_ray_config_example_loads_and_documents_the_defaults():
-    from orchestrator.ray import app as ray_app
+    from orchestrator.ray.config import RayAppConfig
 
-    example = ray_app.RayAppConfig.load(str(REPO / "deploy/ray/config.yaml"))
-    default = ray_app.RayAppConfig.from_dict({})
+    example = RayAppConfig.load(str(REPO / "deploy/ray/config.yaml"))
+    default = RayAppConfig.from_dict({})
     # The example shows the defaults: what it spells out must equal what an empty file means.
     for group in ("target", "draft"):
         a, b = getattr(example, group), getattr(default, group)
@@ -383,10 +386,10 @@ def test_the_gpu_ray_config_is_the_example_with_one_gpu_per_service():
     example only in asking each service actor for a GPU and running it on CUDA."""
     import dataclasses
 
-    from orchestrator.ray import app as ray_app
+    from orchestrator.ray.config import RayAppConfig
 
-    cpu = ray_app.RayAppConfig.load(str(REPO / "deploy/ray/config.yaml"))
-    gpu = ray_app.RayAppConfig.load(str(REPO / "deploy/ray/config-gpu.yaml"))
+    cpu = RayAppConfig.load(str(REPO / "deploy/ray/config.yaml"))
+    gpu = RayAppConfig.load(str(REPO / "deploy/ray/config-gpu.yaml"))
     for group in ("target", "draft"):
         a, b = getattr(cpu, group), getattr(gpu, group)
         assert (a.num_gpus, b.num_gpus) == (0, 1), group
@@ -394,3 +397,33 @@ def test_the_gpu_ray_config_is_the_example_with_one_gpu_per_service():
         assert dataclasses.replace(b.service_config(), device="auto") == a.service_config()
         assert (a.resources, a.replicas, a.bind_host) == (b.resources, b.replicas, b.bind_host)
     assert cpu.orchestrator == gpu.orchestrator and cpu.http == gpu.http
+
+
+@pytest.mark.parametrize("data, says", [
+    ({"target": {"replicas": 0}}, "target.replicas: Input should be greater than or equal to 1"),
+    ({"target": {"modle": "x"}}, "target.modle: unknown key"),
+    ({"bogus": 1}, "bogus: unknown key"),
+    ({"orchestrator": {"routing": "random"}}, "orchestrator.routing: must be one of"),
+    ({"draft": {"service": {"port": 1}}}, "service may not set port"),
+    ({"http": {"port": "eighty"}}, "http.port: Input should be a valid integer"),
+    ({"orchestrator": {"tls": {"ca": "x", "pin": "y"}}}, "orchestrator.tls.pin: unknown key"),
+    ({"target": {"service": {"cache_cap_mb": -1}}}, "cache_cap_mb"),
+])
+def test_a_bad_ray_config_is_refused_naming_the_key(data, says):
+    from orchestrator.ray.config import RayAppConfig
+
+    with pytest.raises(ValueError, match=re.escape(says)):
+        RayAppConfig.from_dict(data)
+
+
+def test_ray_config_draft_defaults_and_target_only():
+    from orchestrator.ray.config import RayAppConfig
+
+    default = RayAppConfig.from_dict({})
+    assert (default.target.model, default.draft.model) == ("default", "default-draft")
+    assert default.draft.resources == {"draft_node": 1}
+    assert RayAppConfig.from_dict({"draft": None}).draft is None
+    fixed = RayAppConfig.from_dict({"target": {"addresses": ["10.0.0.1:50051", "10.0.0.2:50051"]}})
+    assert fixed.target.replicas == 2 and not fixed.target.uses_actors
+    # what Serve hands each replica (to_dict) builds the same config again
+    assert RayAppConfig.from_dict(default.to_dict()) == default

@@ -5,7 +5,7 @@ import shutil
 
 from conftest import ServiceThread, hf_greedy, run
 
-from orchestrator.loop import GenerationRequest
+from orchestrator.generation import GenerationRequest
 from orchestrator.pair import close, connect
 from specdec.models.hub import load_hf_model
 from specdec.models.tokenizer import eos_token_ids

@@ -223,7 +223,7 @@ def test_speculative_greedy_equals_transformers_generate(family_dirs, name):
     """Target and a random draft of the same family as real services: spec and pipelined
     greedy output equals transformers' ``generate`` (which runs its own KV cache, sliding-window
     cache layers included), with draft tokens both accepted and rejected."""
-    from orchestrator.loop import GenerationRequest
+    from orchestrator.generation import GenerationRequest
     from orchestrator.pair import close, connect
 
     target_dir, draft_dir = family_dirs(name), family_dirs(name, "draft")

@@ -8,8 +8,8 @@ import socket
 import pytest
 from conftest import hf_greedy, run
 
+from orchestrator.generation import GenerationRequest
 from orchestrator.local import ServiceProcess, service_args
-from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect
 from orchestrator.service_clients import ServiceError
 

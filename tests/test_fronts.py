@@ -5,13 +5,12 @@ import asyncio
 import json
 import threading
 
-import fastapi
 import httpx
 from conftest import ServiceThread, run
 
 from orchestrator.http.app import create_app
+from orchestrator.http.native import native_routes
 from orchestrator.pair import close, connect
-from orchestrator.ray.app import native_routes
 from orchestrator.routing import PairRouter
 
 MODEL = "specdec"
@@ -51,8 +50,8 @@ def test_the_native_route_gives_an_unseeded_request_a_fresh_seed(tiny_services):
     async def go():
         router = PairRouter([await connect(tiny_services["target"].address,
                                            tiny_services["draft"].address)])
-        app = fastapi.FastAPI()
-        app.include_router(native_routes(router, None))
+        app = create_app(router, MODEL)
+        app.include_router(native_routes(app.state.front))
         body = dict(prompt_ids=[1, 520, 3300, 12], max_new_tokens=12, temperature=1.0,
                     mode="spec")
         try:
@@ -97,17 +96,17 @@ def test_an_oversized_body_gets_413_and_the_server_keeps_serving(tiny_services):
 
 
 def test_prompts_are_tokenized_off_the_event_loop(tiny_services, monkeypatch):
-    from orchestrator.http import app as api
+    from orchestrator.http.requests import RequestBuilder
 
     seen = []
     for name in ("chat_prompt", "completion_prompt"):
-        real = getattr(api._Front, name)
+        real = getattr(RequestBuilder, name)
 
         def spy(self, body, real=real):
             seen.append(threading.current_thread())
             return real(self, body)
 
-        monkeypatch.setattr(api._Front, name, spy)
+        monkeypatch.setattr(RequestBuilder, name, spy)
 
     async def go():
         orch = await connect(tiny_services["target"].address, None)

@@ -16,7 +16,7 @@ from conftest import MODEL, ApiHost, ServiceThread
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from orchestrator.http.app import ServeDefaults
+from orchestrator.http.schemas import ServeDefaults
 from specdec.serving.session import rolling_hash
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc

@@ -5,8 +5,8 @@ import hmac
 import pytest
 from conftest import run
 
-from orchestrator.http.app import api_key_matches
-from orchestrator.loop import GenerationRequest, GenerationStats
+from orchestrator.generation import GenerationRequest, GenerationStats
+from orchestrator.http.middleware import api_key_matches
 from orchestrator.pair import close, connect
 from orchestrator.service_clients import History
 from specdec.config import MAX_K, ServiceConfig

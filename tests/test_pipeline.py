@@ -30,7 +30,7 @@ def exact_joint(model_dir: str, prompt: list[int], params: SamplingParams) -> di
 
 
 async def _sample_many(services, mode, n):
-    from orchestrator.loop import GenerationRequest
+    from orchestrator.generation import GenerationRequest
     from orchestrator.pair import close, connect
 
     orch = await connect(services["target"].address, services["near_draft"].address)
@@ -112,7 +112,7 @@ def test_k_controller_maximises_expected_rate():
 async def _generate_with_costs(services, draft_key, prompt, target_ms, draft_ms, max_new=80):
     """Generate with adaptive k, the services' start-up costs replaced by fixed figures so the
     test does not depend on how busy the machine was when the services calibrated."""
-    from orchestrator.loop import GenerationRequest
+    from orchestrator.generation import GenerationRequest
     from orchestrator.pair import close, connect
 
     orch = await connect(services["target"].address, services[draft_key].address)
@@ -144,7 +144,7 @@ def test_adaptive_k_through_the_services(tiny_services):
 
 def test_prompt_lookup_blocks_are_verified_like_any_draft(tiny_services):
     """A prompt whose text repeats: lookup proposes blocks, output equals target-only's."""
-    from orchestrator.loop import GenerationRequest
+    from orchestrator.generation import GenerationRequest
     from orchestrator.pair import close, connect
 
     prompt = [5, 6, 7, 8, 9] * 8

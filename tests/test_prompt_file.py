@@ -6,8 +6,9 @@ import sys
 
 import pytest
 
-from orchestrator.cli import encode_prompt, read_prompt_file
+from orchestrator.cli import read_prompt_file
 from specdec.models.hub import load_tokenizer
+from specdec.models.tokenizer import encode_prompt
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}]
 

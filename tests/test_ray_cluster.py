@@ -17,6 +17,8 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from orchestrator.ray import app as ray_app  # noqa: E402
+from orchestrator.ray.actors import start_services
+from orchestrator.ray.config import RayAppConfig
 from orchestrator.routing import rendezvous  # noqa: E402
 from orchestrator.service_clients import DraftClient, TargetClient  # noqa: E402
 
@@ -67,9 +69,9 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def deployed(cluster, tiny_models):
-    cfg = ray_app.RayAppConfig.from_dict(
+    cfg = RayAppConfig.from_dict(
         app_config(tiny_models["target"], tiny_models["draft"], free_port()))
-    infos = ray_app.start_services(cfg, timeout_s=300)
+    infos = start_services(cfg, timeout_s=300)
     url = ray_app.deploy(cfg)
     yield dict(cfg=cfg, infos=infos, url=url)
     ray_app.undeploy(cfg)
@@ -186,11 +188,11 @@ def test_real_default_pair_through_serve(cluster, deployed):
     """The default pair (SmolLM2-135M-Instruct + the shipped draft) as actors, chat prompt."""
     # Same HTTP proxy (Serve has one per cluster), another app under another route prefix.
     port = deployed["cfg"].http.port
-    cfg = ray_app.RayAppConfig.from_dict(
+    cfg = RayAppConfig.from_dict(
         app_config("default", "default-draft", port, replicas=1, name="specdec-real",
                    route_prefix="/real"))
     try:
-        ray_app.start_services(cfg, timeout_s=600)
+        start_services(cfg, timeout_s=600)
         url = ray_app.deploy(cfg)
         out = post(url, dict(prompt="What is the capital of France?", chat=True,
                              max_new_tokens=32, mode="pipelined"))

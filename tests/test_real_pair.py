@@ -32,8 +32,8 @@ def target_only(tmp_path_factory):
 
 
 def test_target_only_equals_transformers_generate(target_only):
-    from orchestrator.cli import encode_prompt
     from specdec.models.hub import load_tokenizer
+    from specdec.models.tokenizer import encode_prompt
 
     tok = load_tokenizer("default")
     for row, prompt in zip(target_only, CHAT_PROMPTS):

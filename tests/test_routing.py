@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import hf_greedy, run
 
-from orchestrator.loop import GenerationRequest, GenerationResult
+from orchestrator.generation import GenerationRequest, GenerationResult
 from orchestrator.pair import close, connect
 from orchestrator.routing import PairRouter, rendezvous
 

@@ -302,7 +302,7 @@ def _marginals_and_pairs(joint: np.ndarray):
 
 
 async def _generate_many(pair, mode: str, rule: str) -> list[list[int]]:
-    from orchestrator.loop import GenerationRequest
+    from orchestrator.generation import GenerationRequest
     from orchestrator.pair import close, connect
 
     orch = await connect(pair["target"].address, pair["draft"].address,
@@ -361,7 +361,7 @@ def test_generations_have_the_target_distribution(small_vocab_pair, monkeypatch,
 def test_coupled_generations_are_the_same_in_every_mode_and_k(small_vocab_pair):
     """A seeded coupled request gives the same tokens target-only, spec and pipelined, at any
     k, and with no draft at all."""
-    from orchestrator.loop import GenerationRequest
+    from orchestrator.generation import GenerationRequest
     from orchestrator.pair import close, connect
 
     async def texts():

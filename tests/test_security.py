@@ -19,8 +19,8 @@ import pytest
 from certs import CA
 from conftest import REPO, ServiceThread, hf_greedy, run, wait_for_port_file
 
+from orchestrator.generation import GenerationRequest
 from orchestrator.local import ServiceProcess, service_args
-from orchestrator.loop import GenerationRequest
 from orchestrator.pair import close, connect
 from orchestrator.service_clients import ServiceError
 from specdec.models.hub import load_tokenizer

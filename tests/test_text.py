@@ -4,7 +4,7 @@ completed it, and streamed deltas carry exactly the ids of the result."""
 import pytest
 from conftest import run
 
-from orchestrator.loop import GenerationRequest
+from orchestrator.generation import GenerationRequest
 from orchestrator.pair import close, connect
 from orchestrator.text import TextStream
 from specdec.models.hub import load_tokenizer
@@ -28,7 +28,7 @@ def test_the_stop_token_count_covers_the_whole_stop_string(tokenizer):
 
 
 def test_streamed_ids_add_up_to_the_result_and_stop_at_the_stop_string(tiny_services):
-    from orchestrator.loop import Delta
+    from orchestrator.generation import Delta
 
     async def go():
         orch = await connect(tiny_services["target"].address, tiny_services["near_draft"].address)

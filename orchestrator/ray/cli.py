@@ -39,9 +39,11 @@ def cmd_ray_up(args) -> int:
     import ray
 
     from orchestrator.ray import app as ray_app
+    from orchestrator.ray.actors import start_services
+    from orchestrator.ray.config import RayAppConfig
 
     try:
-        cfg = ray_app.RayAppConfig.load(args.config)
+        cfg = RayAppConfig.load(args.config)
     except (OSError, ValueError) as exc:
         raise SystemExit(f"error: {exc}")
     ray.init(address=args.address, namespace=cfg.namespace)
@@ -55,7 +57,7 @@ def cmd_ray_up(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     serving = False
     try:
-        for info in ray_app.start_services(cfg, args.timeout_s):
+        for info in start_services(cfg, args.timeout_s):
             print(f"{info['role']} {info['model']} at {info['address']} on node "
                   f"{info['node_id'][:12]} ({info['node_ip']})", flush=True)
         url = ray_app.deploy(cfg)

@@ -17,6 +17,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.config import SamplingParams
+from specdec.models.tokenizer import chat_prompt_ids
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.sampling import position_generator, process_logits, sample
 
@@ -31,14 +32,6 @@ class Sequence:
     top_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each [top_n]
     top_logprobs: list[torch.Tensor] = dataclasses.field(default_factory=list)
     cache: object = None
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat prompt with the generation prompt appended."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
 
 
 def generate_answers(

@@ -56,10 +56,9 @@ def prepare(out: pathlib.Path, target: str, n_prompts: int, prompt_set: str,
     from transformers import AutoConfig
 
     from specdec.distill.cli import held_out_records
-    from specdec.distill.data import chat_prompt_ids
     from specdec.distill.prompts import train_conversations
     from specdec.models.hub import load_tokenizer, resolve_model_dir
-    from specdec.models.tokenizer import eos_token_ids
+    from specdec.models.tokenizer import chat_prompt_ids, eos_token_ids
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(target)

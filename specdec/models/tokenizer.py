@@ -1,4 +1,5 @@
-"""Tokenizer fingerprint: two services may pair only when their tokenizers agree exactly."""
+"""Tokenizer facts every part shares: the fingerprint two services must agree on, the
+end-of-sequence ids, and prompt encoding (the one place a chat template is applied)."""
 
 from __future__ import annotations
 
@@ -44,3 +45,24 @@ def _generation_config(config):
     from transformers import GenerationConfig
 
     return GenerationConfig.from_pretrained(path)
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation under the tokenizer's chat template, with the generation
+    prompt appended (the assistant's turn opened)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def encode_prompt(tokenizer, prompt: str | list[dict], chat: bool | None) -> list[int]:
+    """Prompt ids. A string: chat (default when the tokenizer has a template) wraps it as one
+    user message and applies the chat template. A list of messages: always the template."""
+    if isinstance(prompt, list):
+        return chat_prompt_ids(tokenizer, prompt)
+    if chat is None:
+        chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return [int(t) for t in tokenizer(prompt)["input_ids"]]

@@ -1,0 +1,250 @@
+"""A generation's request, statistics and result, as every front and the round loop see them."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from orchestrator.service_clients import CallRecord
+from specdec.config import MAX_K, MAX_TOP_LOGPROBS, SamplingParams
+
+MODES = ("pipelined", "spec", "target-only")
+DEFAULT_MODE = "pipelined"  # the draft drafts block i+1 while the target verifies block i
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    stop: list[str] = dataclasses.field(default_factory=list)
+    mode: str = DEFAULT_MODE
+    k: int | None = None  # None = adaptive
+    request_id: str = ""
+    # Prompt lookup before the draft model: when the history's last tokens occurred earlier,
+    # propose what followed them (free, and strong on input-grounded text).
+    prompt_lookup: bool = True
+    # None: no log-probabilities; N (0..20): each generated token's, and its N likeliest
+    # alternatives' (the target's raw log-softmax at that position)
+    logprobs: int | None = None
+    # Also the log-probability of each prompt token but the first (prompt scoring, `echo`)
+    prompt_logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt is empty")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.k is not None and not (0 <= self.k <= MAX_K):
+            raise ValueError(f"k must be in [0, {MAX_K}], got {self.k}")
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"top logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.logprobs}")
+        if not self.request_id:
+            self.request_id = uuid.uuid4().hex[:16]
+
+
+
+@dataclasses.dataclass
+class Block:
+    """A block to verify: draft tokens, the sparse q each was drawn from (rejection rule only),
+    where it came from, and the k the controller asked for this round."""
+
+    tokens: list[int]
+    dists: list = dataclasses.field(default_factory=list)
+    # draft (drafted this round) | pipelined (drafted during the previous verify) | lookup
+    # (prompt lookup) | first (the pipelined first round: empty, the draft drafts behind it)
+    # | none (no block: k = 0, or the draft was down or failed)
+    source: str = "draft"
+    k: int = 0
+    draft_failed: bool = False
+
+    def cut(self, k: int) -> "Block":
+        """The block's first k tokens."""
+        if len(self.tokens) <= k:
+            return self
+        return dataclasses.replace(self, tokens=self.tokens[:k], dists=self.dists[:k])
+
+
+@dataclasses.dataclass
+class Round:
+    """One verify pass: the block, how much of it the target accepted, and its own token."""
+
+    block: Block
+    accepted: int
+    next_token: int
+    logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)  # per token
+    prompt_logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
+
+    @property
+    def tokens(self) -> list[int]:
+        """What the round emits: the accepted draft tokens, then the target's token."""
+        return self.block.tokens[: self.accepted] + [self.next_token]
+
+    @property
+    def full_accept(self) -> bool:
+        return self.accepted == len(self.block.tokens)
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    mode: str = ""
+    rounds: int = 0
+    draft_tokens: int = 0  # proposed tokens that were verified
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    rounds_per_k: dict[int, int] = dataclasses.field(default_factory=dict)
+    tokens_per_round: list[int] = dataclasses.field(default_factory=list)
+    k_requested: list[int] = dataclasses.field(default_factory=list)  # k asked of the draft
+    lookup_rounds: int = 0  # rounds whose block came from prompt lookup, not the draft model
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
+    pipeline_hits: int = 0  # rounds whose block was drafted during the previous verify
+    pipeline_misses: int = 0  # speculative blocks dropped (rejection or wrong guess)
+    re_prefills: int = 0
+    tokens_without_draft: int = 0  # emitted while the draft was down or failing
+    draft_failures: int = 0
+    wall_s: float = 0.0
+    ttft_s: float = 0.0
+    calls: list[CallRecord] = dataclasses.field(default_factory=list)
+
+    def record(self, rnd: Round) -> None:
+        """Count one round (every per-round statistic is counted here and only here)."""
+        n = len(rnd.block.tokens)
+        self.rounds += 1
+        self.k_requested.append(rnd.block.k)
+        self.rounds_per_k[n] = self.rounds_per_k.get(n, 0) + 1
+        self.draft_tokens += n
+        self.accepted_tokens += rnd.accepted
+        while len(self.accepted_per_position) < n:
+            self.accepted_per_position.append(0)
+        for i in range(rnd.accepted):
+            self.accepted_per_position[i] += 1
+        self.tokens_per_round.append(len(rnd.tokens))
+        if rnd.block.draft_failed:  # the draft was down or failed: this round's token came alone
+            self.tokens_without_draft += 1
+        if rnd.block.source == "lookup":
+            self.lookup_rounds += 1
+            self.lookup_drafted += n
+            self.lookup_accepted += rnd.accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def k_mean(self) -> float:
+        n = sum(self.rounds_per_k.values())
+        return sum(k * c for k, c in self.rounds_per_k.items()) / n if n else 0.0
+
+    def time_split(self) -> dict[str, float]:
+        """Seconds of draft compute, verify compute, network (RPC time not computing) and idle
+        (wall time when no call was in flight), and overlap efficiency."""
+        draft = sum(c.compute_ms for c in self.calls if c.service == "draft") / 1000.0
+        verify = sum(c.compute_ms for c in self.calls if c.service == "target") / 1000.0
+        rpc_time = {"draft": 0.0, "target": 0.0}
+        for c in self.calls:
+            rpc_time[c.service] += c.end - c.start
+        network = max(0.0, rpc_time["draft"] - draft) + max(0.0, rpc_time["target"] - verify)
+        busy = _union_length([(c.start, c.end) for c in self.calls])
+        wall = self.wall_s or 1e-9
+        return dict(
+            draft_s=draft,
+            verify_s=verify,
+            network_s=network,
+            idle_s=max(0.0, wall - busy),
+            overlap_efficiency=(draft + verify) / wall,
+        )
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]  # generated ids (EOS included when it ended the text)
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string) | "length"
+    prompt_tokens: int
+    stats: GenerationStats
+    # with GenerationRequest.logprobs: one TokenLogprob per token id, else []
+    logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
+    # with GenerationRequest.prompt_logprobs: one per prompt token but the first
+    prompt_logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
+
+    def summary(self) -> dict:
+        s = self.stats
+        n = len(self.token_ids)
+        split = s.time_split()
+        return dict(
+            request_id=self.request_id,
+            text=self.text,
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=n,
+            mode=s.mode,
+            rounds=s.rounds,
+            draft_tokens=s.draft_tokens,
+            accepted_tokens=s.accepted_tokens,
+            acceptance_rate=round(s.acceptance_rate, 4),
+            mean_tokens_per_round=round(sum(s.tokens_per_round) / s.rounds, 4) if s.rounds else 0.0,
+            k_mean=round(s.k_mean, 3),
+            tokens_per_s=round(n / s.wall_s, 3) if s.wall_s else 0.0,
+            wall_s=round(s.wall_s, 4),
+            ttft_s=round(s.ttft_s, 4),
+            overlap_efficiency=round(split["overlap_efficiency"], 4),
+            # Wall time per round beyond the services' compute (RPCs, the orchestrator's own
+            # work, idle waits); in pipelined rounds overlapped compute counts once.
+            overhead_ms_per_round=round(max(0.0, s.wall_s - _union_length(
+                [(c.end - c.compute_ms / 1000.0, c.end) for c in s.calls])) / s.rounds * 1000.0,
+                3) if s.rounds else 0.0,
+            time_split={k: round(v, 4) for k, v in split.items() if k != "overlap_efficiency"},
+            lookup_rounds=s.lookup_rounds,
+            lookup_acceptance=round(s.lookup_accepted / s.lookup_drafted, 4)
+            if s.lookup_drafted else 0.0,
+            pipeline_hits=s.pipeline_hits,
+            pipeline_misses=s.pipeline_misses,
+            re_prefills=s.re_prefills,
+            tokens_without_draft=s.tokens_without_draft,
+            accepted_per_position=s.accepted_per_position,
+        )
+
+
+@dataclasses.dataclass
+class Delta:
+    """Streamed piece of a generation: new text and the token ids it came from."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """The target's log-probability of a generated token, and the likeliest alternatives at its
+    position (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def _token_logprobs(tokens: list[int], entries) -> list[TokenLogprob]:
+    """TokenLogprobs of a VerifyResponse (wire) as TokenLogprob, one per token."""
+    return [TokenLogprob(t, e.logprob, list(zip(e.top_ids, e.top_logprobs)))
+            for t, e in zip(tokens, entries)]
+
+

@@ -1,0 +1,169 @@
+"""The round loop over fake service clients: fast checks of what every mode must keep (the
+target's tokens, EOS and length limits, stats that add up, pipelining's hits and misses, a
+failing draft) without models or gRPC. The real services are tested in test_pipeline and
+test_real_pair."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from orchestrator.generation import GenerationRequest
+from orchestrator.loop import Orchestrator
+from orchestrator.service_clients import CallRecord, ServiceError
+from specdec.config import SamplingParams
+from specdec.wire import specdec_pb2 as pb
+
+VOCAB = 97
+EOS = 96
+
+
+def target_next(tokens: list[int]) -> int:
+    """The fake target's greedy choice after ``tokens`` (never EOS unless the prompt asks)."""
+    return (tokens[-1] * 7 + len(tokens) * 3) % (VOCAB - 1)
+
+
+def target_text(prompt: list[int], n: int) -> list[int]:
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(target_next(seq))
+    return seq[len(prompt):]
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+class FakeTarget:
+    """Verifies a block greedily against target_next, after a short await (so a pipelined
+    draft runs beside it)."""
+
+    def __init__(self, eos_after: int | None = None):
+        self.info = pb.ModelInfo(forward_ms=[10.0 + i for i in range(9)])
+        self.calls = 0
+        self.eos_after = eos_after  # emit EOS as the target's token once this many are out
+
+    def next_token(self, seq: list[int], prompt_len: int) -> int:
+        if self.eos_after is not None and len(seq) - prompt_len >= self.eos_after:
+            return EOS
+        return target_next(seq)
+
+    async def verify(self, session_id, history, draft_tokens, draft_dists, sampling,
+                     request_id="", logprobs=None, prompt_logprobs=False):
+        start = time.perf_counter()
+        await asyncio.sleep(0.002)
+        self.calls += 1
+        seq = list(history.tokens)
+        prompt_len = self.prompt_len
+        accepted = 0
+        for tok in draft_tokens:
+            if tok != self.next_token(seq, prompt_len):
+                break
+            seq.append(tok)
+            accepted += 1
+        resp = pb.VerifyResponse(num_accepted=accepted,
+                                 next_token=self.next_token(seq, prompt_len), compute_ms=1.0)
+        return resp, CallRecord("target", start, time.perf_counter(), 1.0, len(draft_tokens))
+
+    async def close_session(self, session_id):
+        pass
+
+
+class FakeDraft:
+    """Drafts target_next, except at every ``wrong_every``-th position (a poor draft), and
+    fails with UNAVAILABLE on the calls listed in ``fail_calls``."""
+
+    def __init__(self, wrong_every: int = 4, fail_calls: set[int] = frozenset()):
+        self.info = pb.ModelInfo(forward_ms=[1.0])
+        self.wrong_every = wrong_every
+        self.fail_calls = set(fail_calls)
+        self.calls = 0
+        self.failed = False
+
+    async def available(self):
+        return True
+
+    def mark_failed(self):
+        self.failed = True
+
+    async def propose(self, session_id, history, extra, k, sampling, request_id=""):
+        start = time.perf_counter()
+        self.calls += 1
+        if self.calls in self.fail_calls:
+            raise ServiceError("draft", grpc.StatusCode.UNAVAILABLE, "down for the test")
+        # A draft behind a verify (extra: the block in flight) outlasts the verify pass, so
+        # a verdict that drops it finds it still running.
+        await asyncio.sleep(0.006 if extra else 0.001)
+        seq = list(history.tokens) + list(extra)
+        out = []
+        for _ in range(k):
+            tok = target_next(seq)
+            if len(seq) % self.wrong_every == 0:
+                tok = (tok + 1) % (VOCAB - 1)
+            out.append(tok)
+            seq.append(tok)
+        return pb.DraftResponse(tokens=out), CallRecord("draft", start, time.perf_counter(),
+                                                        0.5, k)
+
+    async def close_session(self, session_id):
+        pass
+
+
+def generate(mode: str, k: int | None = None, draft=None, target=None, max_new: int = 40,
+             prompt=(5, 11, 23)):
+    target = target or FakeTarget()
+    target.prompt_len = len(prompt)
+    draft = draft if draft is not None else FakeDraft()
+    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
+    req = GenerationRequest(list(prompt), max_new, SamplingParams(), [], mode, k,
+                            prompt_lookup=False)
+    return asyncio.run(orch.generate(req))
+
+
+@pytest.mark.parametrize("mode", ["target-only", "spec", "pipelined"])
+@pytest.mark.parametrize("k", [None, 1, 4])
+def test_every_mode_emits_the_targets_tokens(mode, k):
+    result = generate(mode, k)
+    assert result.token_ids == target_text([5, 11, 23], 40)
+    s = result.stats
+    assert s.rounds == len(s.tokens_per_round) == len(s.k_requested)
+    assert sum(s.tokens_per_round) >= len(result.token_ids)  # the last round may overshoot
+    assert s.accepted_tokens == sum(s.accepted_per_position)
+    assert s.draft_tokens == sum(k * n for k, n in s.rounds_per_k.items())
+    if mode == "target-only":
+        assert s.draft_tokens == 0 and s.rounds == 40
+
+
+def test_pipelined_rounds_hit_and_miss_with_a_poor_draft_and_cancel_the_misses():
+    result = generate("pipelined", 3, max_new=80)
+    s = result.stats
+    assert result.token_ids == target_text([5, 11, 23], 80)
+    assert s.pipeline_hits > 0 and s.pipeline_misses > 0
+    cancelled = [c for c in s.calls if c.service == "draft" and c.outcome == "cancelled"]
+    assert cancelled  # a rejected block's speculative draft is cancelled, not awaited
+    # a hit's block was verified without a draft call of its own that round
+    assert s.tokens_per_round and max(s.tokens_per_round) >= 2
+
+
+def test_eos_ends_the_generation_where_the_target_emits_it():
+    for mode in ("target-only", "spec", "pipelined"):
+        result = generate(mode, 3, target=FakeTarget(eos_after=9))
+        assert result.finish_reason == "stop"
+        assert result.token_ids == target_text([5, 11, 23], 9) + [EOS], mode
+
+
+def test_a_failing_draft_costs_speed_not_tokens():
+    draft = FakeDraft(fail_calls={2, 3})
+    result = generate("spec", 2, draft=draft)
+    assert result.token_ids == target_text([5, 11, 23], 40)
+    assert result.stats.draft_failures == 2
+    assert result.stats.tokens_without_draft == 2
+    assert draft.failed  # a service failure (not the request's fault) marks the draft down
+
+
+def test_the_length_limit_holds_inside_an_accepted_block():
+    result = generate("spec", 4, max_new=7)
+    assert result.token_ids == target_text([5, 11, 23], 7)
+    assert result.finish_reason == "length"
