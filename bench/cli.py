@@ -184,10 +184,7 @@ def cmd_bench_verify(args) -> int:
     for _ in tqdm(range(args.reps), desc="engine cost", unit="rep"):
         for m in ms:
             for n, e in engines.items():  # interleaved
-                caches[n].truncate(ctx)
-                t0 = time.perf_counter()
-                e.forward([caches[n]], [torch.arange(m) + 100], [m])
-                times[n][m].append((time.perf_counter() - t0) * 1000)
+                times[n][m].append(e.timed_forward(caches[n], ctx, torch.arange(m) + 100))
     del engines, caches
     for m, values in _in_service_verify_ms(args.target, args.threads, prompt.tolist(), ms,
                                            args.reps).items():

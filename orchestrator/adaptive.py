@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
-K_MAX = 8
+# The longest block adaptive k chooses (a request's fixed k may go to specdec.config.MAX_K).
+ADAPTIVE_K_MAX = 8
 PROBE_EVERY = 16  # rounds at k = 0 between probes of the acceptance
 
 
@@ -51,7 +52,7 @@ class Costs:
 
     @classmethod
     def calibrated(cls, target_ms: list[float], draft_ms: list[float]) -> "Costs":
-        return cls(list(target_ms) or [1.0] * (K_MAX + 1), draft_ms[0] if draft_ms else 0.0)
+        return cls(list(target_ms) or [1.0] * (ADAPTIVE_K_MAX + 1), draft_ms[0] if draft_ms else 0.0)
 
     def forward_ms(self, tokens: float) -> float:
         """Calibrated T(m) of one target forward over ``tokens`` new tokens."""
@@ -105,7 +106,7 @@ MAX_STEADY_TOKENS = 16  # committed tokens a steady round's call sends at most (
 class KController:
     def __init__(self, target_ms: list[float], draft_ms: list[float], fixed_k: int | None = None,
                  pipelined: bool = False, prior_a: float = 0.5, prior_weight: float = 4.0,
-                 decay: float = 0.95, k_max: int = K_MAX, costs: Costs | None = None):
+                 decay: float = 0.95, k_max: int = ADAPTIVE_K_MAX, costs: Costs | None = None):
         self.fixed_k = fixed_k
         self.pipelined = pipelined
         self.k_max = min(k_max, max(len(target_ms) - 1, 1)) if target_ms else k_max

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -135,55 +136,41 @@ def _is_chat(messages) -> bool:
         and isinstance(m.get("content"), str) for m in messages)
 
 
-class Pair:
-    """Local services (when no addresses are given) plus a connected Orchestrator."""
+@contextlib.asynccontextmanager
+async def orchestrator_for(args, need_draft: bool = True):
+    """An Orchestrator over the services the flags name: running ones (``--target-addr`` /
+    ``--draft-addr``) or local ones started for the run and stopped after it."""
+    from orchestrator.local import LocalServices
+    from orchestrator.pair import close, connect
 
-    def __init__(self, args, need_draft: bool = True):
-        self.args = args
-        self.need_draft = need_draft
-        self.local = None
-        self.orch = None
-
-    async def __aenter__(self):
-        from orchestrator.local import LocalServices
-        from orchestrator.pair import connect
-
-        a = self.args
-        target_addr, draft_addr = a.target_addr, a.draft_addr
-        want_draft = self.need_draft and a.mode != "target-only"
-        tls = tls_from_args(a)
-        local = target_addr is None or (want_draft and draft_addr is None)
-        if tls and local:
-            raise ValueError("the --tls-* flags secure the channels to running services: give "
-                             "--target-addr and --draft-addr (local services listen on "
-                             "loopback without TLS)")
-        if local:
-            self.local = LocalServices(
-                target=a.target,
-                draft=a.draft if want_draft and draft_addr is None else None,
-                threads=a.threads,
-            )
-        try:
-            if self.local is not None:
-                await asyncio.get_running_loop().run_in_executor(None, self.local.__enter__)
-                target_addr = target_addr or self.local.target_addr
-                draft_addr = draft_addr or self.local.draft_addr
-            self.orch = await connect(target_addr, draft_addr if want_draft else None,
-                                      target_deadline_s=a.target_deadline_s,
-                                      tokenizer_spec=a.tokenizer or a.target, tls=tls)
-        except BaseException:  # failed or cancelled start: __aexit__ will not run
-            if self.local is not None:
-                self.local.stop()
-            raise
-        return self.orch
-
-    async def __aexit__(self, *exc):
-        from orchestrator.pair import close
-
-        if self.orch is not None:
-            await close(self.orch)
-        if self.local is not None:
-            self.local.stop()
+    target_addr, draft_addr = args.target_addr, args.draft_addr
+    want_draft = need_draft and args.mode != "target-only"
+    tls = tls_from_args(args)
+    start_local = target_addr is None or (want_draft and draft_addr is None)
+    if tls and start_local:
+        raise ValueError("the --tls-* flags secure the channels to running services: give "
+                         "--target-addr and --draft-addr (local services listen on "
+                         "loopback without TLS)")
+    local = None
+    if start_local:
+        local = LocalServices(target=args.target,
+                              draft=args.draft if want_draft and draft_addr is None else None,
+                              threads=args.threads)
+    orch = None
+    try:
+        if local is not None:
+            await asyncio.get_running_loop().run_in_executor(None, local.__enter__)
+            target_addr = target_addr or local.target_addr
+            draft_addr = draft_addr or local.draft_addr
+        orch = await connect(target_addr, draft_addr if want_draft else None,
+                             target_deadline_s=args.target_deadline_s,
+                             tokenizer_spec=args.tokenizer or args.target, tls=tls)
+        yield orch
+    finally:
+        if orch is not None:
+            await close(orch)
+        if local is not None:
+            local.stop()
 
 
 def cmd_generate(args) -> int:
@@ -209,7 +196,7 @@ def cmd_generate(args) -> int:
     resolve_auto(args)
 
     async def run() -> None:
-        async with Pair(args) as orch:
+        async with orchestrator_for(args) as orch:
             if args.compare:  # as `specdec bench` does: no system timed on its first pass
                 warm = encode_prompt(orch.tokenizer, "Hello!", args.chat)
                 for mode in (args.mode, "target-only"):

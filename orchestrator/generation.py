@@ -135,6 +135,16 @@ class GenerationStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @property
+    def num_drafts(self) -> int:
+        """Rounds that verified a non-empty block (vLLM's spec_decode_num_drafts)."""
+        return sum(c for k, c in self.rounds_per_k.items() if k > 0)
+
+    @property
+    def mean_tokens_per_round(self) -> float:
+        """Tokens emitted per round, over every round (a round without a block emits 1)."""
+        return sum(self.tokens_per_round) / self.rounds if self.rounds else 0.0
+
+    @property
     def k_mean(self) -> float:
         n = sum(self.rounds_per_k.values())
         return sum(k * c for k, c in self.rounds_per_k.items()) / n if n else 0.0
@@ -200,7 +210,7 @@ class GenerationResult:
             draft_tokens=s.draft_tokens,
             accepted_tokens=s.accepted_tokens,
             acceptance_rate=round(s.acceptance_rate, 4),
-            mean_tokens_per_round=round(sum(s.tokens_per_round) / s.rounds, 4) if s.rounds else 0.0,
+            mean_tokens_per_round=round(s.mean_tokens_per_round, 4),
             k_mean=round(s.k_mean, 3),
             tokens_per_s=round(n / s.wall_s, 3) if s.wall_s else 0.0,
             wall_s=round(s.wall_s, 4),

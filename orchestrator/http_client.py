@@ -242,6 +242,18 @@ class _Base:
 _RETRY_EXC = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
+def should_retry(attempt: int, max_retries: int, failure: int | Exception) -> bool:
+    """The clients' one retry decision (sync and async alike): try ``attempt`` (0-based)
+    failed with an HTTP status or a transport exception; send it again while retries remain
+    if the server never started on it (connection refused, connect or pool timeout) or asked
+    for a retry (429, 502, 503, 504)."""
+    if attempt >= max_retries:
+        return False
+    if isinstance(failure, int):
+        return failure in RETRY_STATUS
+    return isinstance(failure, _RETRY_EXC)
+
+
 class SpecdecClient(_Base):
     """Synchronous client. ``base_url`` is the server's root (``.../v1`` also accepted)."""
 
@@ -266,28 +278,24 @@ class SpecdecClient(_Base):
               stream: bool = False) -> httpx.Response:
         """Send with retries; the response is open (stream=True) or read, and successful."""
         for attempt in range(self.max_retries + 1):
-            last = attempt == self.max_retries
             req = self._http.build_request(method, self.base_url + path, json=body,
                                            headers=self.headers, timeout=self.timeout)
             try:
                 resp = self._http.send(req, stream=True)
-            except _RETRY_EXC as exc:
-                if last:
+            except httpx.TransportError as exc:
+                if not should_retry(attempt, self.max_retries, exc):
                     raise self._connect_failure(exc) from exc
                 time.sleep(self._delay(attempt, None))
                 continue
-            except httpx.TransportError as exc:
-                raise self._connect_failure(exc) from exc
             if resp.status_code < 400:
                 if not stream:
                     resp.read()
                 return resp
             content = resp.read()
             resp.close()
-            if resp.status_code in RETRY_STATUS and not last:
-                time.sleep(self._delay(attempt, resp))
-                continue
-            raise _response_error(resp, content)
+            if not should_retry(attempt, self.max_retries, resp.status_code):
+                raise _response_error(resp, content)
+            time.sleep(self._delay(attempt, resp))
         raise AssertionError("unreachable")
 
     def _json(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -369,28 +377,24 @@ class AsyncSpecdecClient(_Base):
     async def _send(self, method: str, path: str, body: dict | None = None,
                     stream: bool = False) -> httpx.Response:
         for attempt in range(self.max_retries + 1):
-            last = attempt == self.max_retries
             req = self._http.build_request(method, self.base_url + path, json=body,
                                            headers=self.headers, timeout=self.timeout)
             try:
                 resp = await self._http.send(req, stream=True)
-            except _RETRY_EXC as exc:
-                if last:
+            except httpx.TransportError as exc:
+                if not should_retry(attempt, self.max_retries, exc):
                     raise self._connect_failure(exc) from exc
                 await asyncio.sleep(self._delay(attempt, None))
                 continue
-            except httpx.TransportError as exc:
-                raise self._connect_failure(exc) from exc
             if resp.status_code < 400:
                 if not stream:
                     await resp.aread()
                 return resp
             content = await resp.aread()
             await resp.aclose()
-            if resp.status_code in RETRY_STATUS and not last:
-                await asyncio.sleep(self._delay(attempt, resp))
-                continue
-            raise _response_error(resp, content)
+            if not should_retry(attempt, self.max_retries, resp.status_code):
+                raise _response_error(resp, content)
+            await asyncio.sleep(self._delay(attempt, resp))
         raise AssertionError("unreachable")
 
     async def _json(self, method: str, path: str, body: dict | None = None) -> dict:

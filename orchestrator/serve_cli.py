@@ -41,7 +41,7 @@ def register(subparsers) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from orchestrator.cli import Pair, resolve_auto
+    from orchestrator.cli import orchestrator_for, resolve_auto
     from orchestrator.http.app import create_app
     from orchestrator.http.schemas import ServeDefaults
 
@@ -63,7 +63,7 @@ def cmd_serve(args) -> int:
 
     class Server(uvicorn.Server):
         # uvicorn re-raises SIGINT/SIGTERM after its shutdown, which would end the process
-        # before Pair stops the local services: serve() below handles the signals instead.
+        # before orchestrator_for stops the local services: serve() below handles the signals instead.
         def capture_signals(self):
             return contextlib.nullcontext()
 
@@ -74,7 +74,7 @@ def cmd_serve(args) -> int:
 
         def on_signal() -> None:
             if server is None:
-                main.cancel()  # still starting: Pair stops what it started
+                main.cancel()  # still starting: orchestrator_for stops what it started
             elif server.should_exit:
                 server.force_exit = True  # a second signal: do not wait for open requests
             else:
@@ -82,7 +82,7 @@ def cmd_serve(args) -> int:
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal)
-        async with Pair(args) as orch:
+        async with orchestrator_for(args) as orch:
             app = create_app(orch, args.model_name, api_key=args.api_key, defaults=defaults)
             # Our logging config and per-request line (orchestrator.http.app), not uvicorn's.
             config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,

@@ -190,3 +190,18 @@ def test_the_native_route_shares_the_request_model(tokenizer):
         r = call(backend, "POST", "/generate", json=bad)
         assert r.status_code == 400, (bad, r.text)
         assert r.json()["error"]["param"] == param, (bad, r.json())
+
+
+@pytest.mark.parametrize("attempt, failure, retry", [
+    (0, 503, True), (0, 429, True), (0, 502, True), (0, 504, True),
+    (0, 500, False), (0, 400, False), (0, 401, False),
+    (0, httpx.ConnectError("refused"), True), (1, httpx.ConnectTimeout("slow"), True),
+    (0, httpx.PoolTimeout("busy"), True),
+    (0, httpx.ReadTimeout("the server may have started on it"), False),
+    (0, httpx.RemoteProtocolError("broken"), False),
+    (3, 503, False), (3, httpx.ConnectError("refused"), False),  # retries spent
+])
+def test_the_python_clients_retry_decision(attempt, failure, retry):
+    from orchestrator.http_client import should_retry
+
+    assert should_retry(attempt, 3, failure) is retry

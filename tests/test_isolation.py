@@ -10,7 +10,7 @@ from orchestrator.http.middleware import api_key_matches
 from orchestrator.pair import close, connect
 from orchestrator.service_clients import History
 from specdec.config import MAX_K, ServiceConfig
-from specdec.serving.runtime import DraftRuntime, ModelInfo
+from specdec.serving.runtime import DraftRuntime, ServiceInfo
 from specdec.serving.session import Session
 
 PROMPT = [1, 520, 3300, 12, 99, 7]
@@ -79,7 +79,7 @@ def test_a_stats_scrape_never_evicts_a_session():
     """GetStats runs on the gRPC thread; evicting there could drop a session mid-pass."""
     config = ServiceConfig(model="ngram", role="draft", cache_cap_mb=1, max_sessions=2,
                            calibrate=False)
-    info = ModelInfo("ngram", "draft", "fp", 100, 512, [], [], drafter="ngram")
+    info = ServiceInfo("ngram", "draft", "fp", 100, 512, [], [], drafter="ngram")
     rt = DraftRuntime(config, info, None)
     for sid in "abcd":  # over max_sessions, as between two passes
         rt.store.put(Session(sid, _Cache()))

@@ -44,6 +44,7 @@ class FakeTarget:
         self.info = pb.ModelInfo(forward_ms=[10.0 + i for i in range(9)])
         self.calls = 0
         self.eos_after = eos_after  # emit EOS as the target's token once this many are out
+        self.verified: list[tuple[list[int], list[int]]] = []  # (history, block) per call
 
     def next_token(self, seq: list[int], prompt_len: int) -> int:
         if self.eos_after is not None and len(seq) - prompt_len >= self.eos_after:
@@ -56,6 +57,7 @@ class FakeTarget:
         await asyncio.sleep(0.002)
         self.calls += 1
         seq = list(history.tokens)
+        self.verified.append((list(seq), list(draft_tokens)))
         prompt_len = self.prompt_len
         accepted = 0
         for tok in draft_tokens:
@@ -88,6 +90,17 @@ class FakeDraft:
     def mark_failed(self):
         self.failed = True
 
+    def continuation(self, seq: list[int], k: int) -> list[int]:
+        """The k tokens this draft proposes after ``seq``."""
+        seq, out = list(seq), []
+        for _ in range(k):
+            tok = target_next(seq)
+            if len(seq) % self.wrong_every == 0:
+                tok = (tok + 1) % (VOCAB - 1)
+            out.append(tok)
+            seq.append(tok)
+        return out
+
     async def propose(self, session_id, history, extra, k, sampling, request_id=""):
         start = time.perf_counter()
         self.calls += 1
@@ -96,14 +109,7 @@ class FakeDraft:
         # A draft behind a verify (extra: the block in flight) outlasts the verify pass, so
         # a verdict that drops it finds it still running.
         await asyncio.sleep(0.006 if extra else 0.001)
-        seq = list(history.tokens) + list(extra)
-        out = []
-        for _ in range(k):
-            tok = target_next(seq)
-            if len(seq) % self.wrong_every == 0:
-                tok = (tok + 1) % (VOCAB - 1)
-            out.append(tok)
-            seq.append(tok)
+        out = self.continuation(list(history.tokens) + list(extra), k)
         return pb.DraftResponse(tokens=out), CallRecord("draft", start, time.perf_counter(),
                                                         0.5, k)
 
@@ -137,7 +143,12 @@ def test_every_mode_emits_the_targets_tokens(mode, k):
 
 
 def test_pipelined_rounds_hit_and_miss_with_a_poor_draft_and_cancel_the_misses():
-    result = generate("pipelined", 3, max_new=80)
+    target, draft = FakeTarget(), FakeDraft()
+    result = generate("pipelined", 3, max_new=80, target=target, draft=draft)
+    # Every verified block is the draft's continuation of the committed history: a block
+    # drafted behind a verify is kept only when the verdict is what it was drafted after.
+    for history, block in target.verified:
+        assert block == draft.continuation(history, len(block))
     s = result.stats
     assert result.token_ids == target_text([5, 11, 23], 80)
     assert s.pipeline_hits > 0 and s.pipeline_misses > 0

@@ -95,7 +95,7 @@ class Metrics:
     def observe_result(self, result) -> None:
         """Count a finished generation (a GenerationResult)."""
         s = result.stats
-        self._l(self.num_drafts).inc(sum(c for k, c in s.rounds_per_k.items() if k > 0))
+        self._l(self.num_drafts).inc(s.num_drafts)
         self._l(self.num_draft_tokens).inc(s.draft_tokens)
         self._l(self.num_accepted_tokens).inc(s.accepted_tokens)
         for pos, n in enumerate(s.accepted_per_position):

@@ -20,7 +20,6 @@ import logging
 import math
 import pathlib
 import random
-import time
 
 import torch
 from tqdm import tqdm
@@ -282,10 +281,7 @@ def measure_cost_ratio(draft_engine: LlamaEngine, target_engine: LlamaEngine, re
     target_engine.forward([t_cache], [prompt], [1])
 
     def timed(engine, cache, n):
-        cache.truncate(context)
-        t0 = time.perf_counter()
-        engine.forward([cache], [torch.arange(n) + 100], [n])
-        return (time.perf_counter() - t0) * 1000
+        return engine.timed_forward(cache, context, torch.arange(n) + 100)
 
     for _ in range(2):  # warm-up
         timed(draft_engine, d_cache, 1), timed(target_engine, t_cache, 1)

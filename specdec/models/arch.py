@@ -147,78 +147,15 @@ class ArchConfig:
         """The engine's architecture for a transformers config, or ValueError naming what in
         it specdec cannot run exactly."""
         mt = getattr(config, "model_type", None)
-        if mt not in SUPPORTED_MODEL_TYPES:
-            hint = f" ({_HINTS[mt]})" if mt in _HINTS else ""
-            raise ValueError(
-                f"model type {mt!r} is not supported{hint}; specdec runs these decoder-only "
-                f"families exactly: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if getattr(config, "quantization_config", None):
-            method = dict(config.quantization_config).get("quant_method", "?") \
-                if isinstance(config.quantization_config, dict) else "?"
-            raise ValueError(f"quantized checkpoints (quantization_config, {method}) are not "
-                             "supported: specdec runs float weights")
+        act_name = _check_supported(config, mt)
         heads = config.num_attention_heads
         layers = config.num_hidden_layers
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         max_context = int(config.max_position_embeddings)
-        act_name = getattr(config, "hidden_activation", None) if mt in ("gemma2", "gemma3_text") \
-            else getattr(config, "hidden_act", "silu")
-        if act_name not in ACTIVATIONS:
-            raise ValueError(f"activation {act_name!r} is not supported (supported: "
-                             f"{', '.join(ACTIVATIONS)})")
-        if getattr(config, "use_bidirectional_attention", None):
-            raise ValueError("bidirectional attention (use_bidirectional_attention) is not "
-                             "supported: specdec runs causal LMs")
-
-        # Which layers attend within a sliding window, as each family's HF model masks them.
-        window = getattr(config, "sliding_window", None)
-        if mt == "mistral":
-            types = [SLIDING if window is not None else FULL] * layers
-        elif mt in _LAYER_TYPES:
-            types = list(getattr(config, "layer_types", None) or [FULL] * layers)
-        else:  # llama, gemma: their HF models ignore any sliding_window in the config
-            types = [FULL] * layers
-        if mt in _LAYER_TYPES and window is not None and getattr(config, "layer_types", None) \
-                is None and getattr(config, "use_sliding_window", True):
-            raise ValueError("sliding_window without layer_types (a transformers version "
-                             "before 5 decides the sliding layers differently) is not supported")
-        for t in sorted(set(types)):
-            if t not in (FULL, SLIDING):
-                raise ValueError(f"attention layer type {t!r} is not supported (only "
-                                 f"{FULL!r} and {SLIDING!r})")
-        if window is not None and int(window) >= max_context:
-            window = None  # a window as long as the context masks nothing
-        window = int(window) if window is not None and SLIDING in types else None
-
-        rope = _rope_parameters(config)
-        sliding_theta = None
-        if "*" in rope:
-            theta, scaling = _rope_spec(rope["*"], config, "")
-        else:  # per layer type (Gemma 3: a global and a local base)
-            theta, scaling = _rope_spec(rope.get(FULL) or {}, config, " (full-attention layers)")
-            if SLIDING in types and rope.get(SLIDING):
-                local, local_scaling = _rope_spec(rope[SLIDING], config, " (sliding-window layers)")
-                if local_scaling is not None:
-                    raise ValueError(f"RoPE type {dict(local_scaling)['rope_type']!r} on "
-                                     "sliding-window layers is not supported")
-                sliding_theta = local if local != theta else None
+        types, window = _attention_layers(config, mt, layers, max_context)
+        theta, scaling, sliding_theta = _rope_of_layers(config, types)
         keep_types = window is not None or sliding_theta is not None
-
-        extra = {}
-        if mt in _GEMMA:
-            extra.update(embed_scale=config.hidden_size ** 0.5, norm_plus_one=True)
-        if mt in _SANDWICH:
-            extra.update(sandwich_norms=True,
-                         attn_scale=float(config.query_pre_attn_scalar) ** -0.5,
-                         final_softcap=getattr(config, "final_logit_softcapping", None))
-        if mt == "gemma2":
-            extra.update(attn_softcap=getattr(config, "attn_logit_softcapping", None))
-        elif mt == "gemma3_text" and getattr(config, "attn_logit_softcapping", None) is not None:
-            raise ValueError("attention logit soft-capping (attn_logit_softcapping) on "
-                             "gemma3_text is not supported (transformers' Gemma 3 ignores it)")
-        if mt in _QK_NORM:
-            extra.update(qk_norm=True)
+        extra = _family_extras(config, mt)
         return cls(
             hidden_size=config.hidden_size,
             num_layers=layers,
@@ -249,6 +186,93 @@ class ArchConfig:
                 and self.layer_types[i] == SLIDING:
             return self.sliding_rope_theta
         return self.rope_theta
+
+def _check_supported(config, mt: str | None) -> str:
+    """ValueError for a model type, quantization, activation or attention specdec cannot run
+    exactly; the config's activation name otherwise."""
+    if mt not in SUPPORTED_MODEL_TYPES:
+        hint = f" ({_HINTS[mt]})" if mt in _HINTS else ""
+        raise ValueError(
+            f"model type {mt!r} is not supported{hint}; specdec runs these decoder-only "
+            f"families exactly: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    if getattr(config, "quantization_config", None):
+        method = dict(config.quantization_config).get("quant_method", "?") \
+            if isinstance(config.quantization_config, dict) else "?"
+        raise ValueError(f"quantized checkpoints (quantization_config, {method}) are not "
+                         "supported: specdec runs float weights")
+    act_name = getattr(config, "hidden_activation", None) if mt in ("gemma2", "gemma3_text") \
+        else getattr(config, "hidden_act", "silu")
+    if act_name not in ACTIVATIONS:
+        raise ValueError(f"activation {act_name!r} is not supported (supported: "
+                         f"{', '.join(ACTIVATIONS)})")
+    if getattr(config, "use_bidirectional_attention", None):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not "
+                         "supported: specdec runs causal LMs")
+    return act_name
+
+
+def _attention_layers(config, mt: str, layers: int, max_context: int,
+                      ) -> tuple[list[str], int | None]:
+    """Which layers attend within a sliding window, as each family's HF model masks them, and
+    the window (None when no layer uses one)."""
+    window = getattr(config, "sliding_window", None)
+    if mt == "mistral":
+        types = [SLIDING if window is not None else FULL] * layers
+    elif mt in _LAYER_TYPES:
+        types = list(getattr(config, "layer_types", None) or [FULL] * layers)
+    else:  # llama, gemma: their HF models ignore any sliding_window in the config
+        types = [FULL] * layers
+    if mt in _LAYER_TYPES and window is not None and getattr(config, "layer_types", None) \
+            is None and getattr(config, "use_sliding_window", True):
+        raise ValueError("sliding_window without layer_types (a transformers version "
+                         "before 5 decides the sliding layers differently) is not supported")
+    for t in sorted(set(types)):
+        if t not in (FULL, SLIDING):
+            raise ValueError(f"attention layer type {t!r} is not supported (only "
+                             f"{FULL!r} and {SLIDING!r})")
+    if window is not None and int(window) >= max_context:
+        window = None  # a window as long as the context masks nothing
+    return types, int(window) if window is not None and SLIDING in types else None
+
+
+def _rope_of_layers(config, types: list[str]) -> tuple[float, tuple | None, float | None]:
+    """RoPE base and scaling of the (full-attention) layers, and the sliding-window layers'
+    own base where it differs (Gemma 3: a global and a local base)."""
+    rope = _rope_parameters(config)
+    if "*" in rope:
+        theta, scaling = _rope_spec(rope["*"], config, "")
+        return theta, scaling, None
+    theta, scaling = _rope_spec(rope.get(FULL) or {}, config, " (full-attention layers)")
+    sliding_theta = None
+    if SLIDING in types and rope.get(SLIDING):
+        local, local_scaling = _rope_spec(rope[SLIDING], config, " (sliding-window layers)")
+        if local_scaling is not None:
+            raise ValueError(f"RoPE type {dict(local_scaling)['rope_type']!r} on "
+                             "sliding-window layers is not supported")
+        sliding_theta = local if local != theta else None
+    return theta, scaling, sliding_theta
+
+
+def _family_extras(config, mt: str) -> dict:
+    """The ArchConfig fields of the families whose blocks differ from Llama's."""
+    extra = {}
+    if mt in _GEMMA:
+        extra.update(embed_scale=config.hidden_size ** 0.5, norm_plus_one=True)
+    if mt in _SANDWICH:
+        extra.update(sandwich_norms=True,
+                     attn_scale=float(config.query_pre_attn_scalar) ** -0.5,
+                     final_softcap=getattr(config, "final_logit_softcapping", None))
+    if mt == "gemma2":
+        extra.update(attn_softcap=getattr(config, "attn_logit_softcapping", None))
+    elif mt == "gemma3_text" and getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping) on "
+                         "gemma3_text is not supported (transformers' Gemma 3 ignores it)")
+    if mt in _QK_NORM:
+        extra.update(qk_norm=True)
+    return extra
+
+
 def canonical_weights(state: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
     """Hugging Face state dict -> the engine's names (q/k/v and gate/up fused).
 

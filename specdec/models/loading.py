@@ -11,7 +11,7 @@ from specdec.models.arch import ArchConfig
 from specdec.models.hub import load_hf_model, pick_device, resolve_model_dir
 from specdec.models.tokenizer import eos_token_ids, fingerprint
 from specdec.serving.engine import LlamaEngine
-from specdec.serving.runtime import DraftRuntime, ModelInfo, TargetRuntime
+from specdec.serving.runtime import DraftRuntime, ServiceInfo, TargetRuntime
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,9 @@ def build_target(config: ServiceConfig) -> TargetRuntime:
     return TargetRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine)
 
 
-def _model_info(config: ServiceConfig, engine, tokenizer, hf_config) -> ModelInfo:
+def _model_info(config: ServiceConfig, engine, tokenizer, hf_config) -> ServiceInfo:
     """What GetInfo reports for a model service (costs are measured by the runtime)."""
-    return ModelInfo(
+    return ServiceInfo(
         model=config.model,
         role=config.role,
         tokenizer_fingerprint=fingerprint(tokenizer),
@@ -84,7 +84,7 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
         from specdec.models.hub import load_tokenizer
 
         tokenizer = load_tokenizer(target)
-        info = ModelInfo(
+        info = ServiceInfo(
             model=NGRAM,
             role="draft",
             tokenizer_fingerprint=fingerprint(tokenizer),

@@ -20,7 +20,7 @@ naming, filled from a Hugging Face model (``from_hf``) or a specdec draft file
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -180,7 +180,14 @@ class LlamaEngine:
         cache = self.new_cache()
         tokens = torch.arange(context + rows, device=self.device) % self.vocab_in
         self.forward([cache], [tokens[:context]], [1])
-        return timed(lambda: self.forward([cache], [tokens[context:]], [rows]))
+        return self.timed_forward(cache, context, tokens[context:])
+
+    def timed_forward(self, cache: KVCache, context: int, tokens: torch.Tensor) -> float:
+        """Milliseconds of one forward over ``tokens`` after the cache's first ``context``
+        positions (the cache is cut back to them first): the one cost probe of kernel choice,
+        start-up calibration, ``specdec bench-verify`` and draft evaluation."""
+        cache.truncate(context)
+        return timed(lambda: self.forward([cache], [tokens], [len(tokens)]))
 
     # -- construction -----------------------------------------------------------------------
 
@@ -232,7 +239,26 @@ class LlamaEngine:
 
         Returns, per session, [num_logits[i], vocab_out] float32 (empty when 0).
         """
-        a = self.arch
+        p = self._layout(caches, tokens)
+        x = self.embed[p.flat]  # [N, hidden]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for li, layer in enumerate(self.layers):
+            x = self._block(x, li, layer, caches, p)
+        for c, n0, t in zip(caches, p.lengths, p.sizes):
+            c.length = n0 + t
+        rows = torch.cat([torch.arange(p.offsets[i + 1] - m, p.offsets[i + 1], device=self.device)
+                          for i, m in enumerate(num_logits)])
+        if rows.numel() == 0:
+            return [torch.empty(0, self.vocab_out) for _ in caches]
+        logits = self.head(self._rms_norm(x[rows], self.norm)).float()  # [sum n_i, vocab_out]
+        if self.arch.final_softcap is not None:  # Gemma 2/3
+            logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
+        return list(logits.split(list(num_logits)))
+
+    def _layout(self, caches: Sequence[KVCache], tokens: Sequence[torch.Tensor]) -> "_Pass":
+        """Where each session's new tokens sit in the flat batch, their RoPE angles, and per
+        attention window the first key position and causal mask of each session."""
         lengths = [c.length for c in caches]
         sizes = [int(t.shape[0]) for t in tokens]
         for c, n0, t in zip(caches, lengths, sizes):
@@ -248,9 +274,8 @@ class LlamaEngine:
             emb = torch.cat((angles, angles), dim=-1)
             ropes.append((emb.cos().to(self.dtype)[:, None, :],
                           emb.sin().to(self.dtype)[:, None, :]))
-        # Per window (None: full causal) and session: the first key position and the mask.
         spans = {}
-        for window in self.windows:
+        for window in self.windows:  # None: full causal
             per = []
             for n0, t in zip(lengths, sizes):
                 start = 0 if window is None else max(0, n0 - window + 1)
@@ -267,73 +292,66 @@ class LlamaEngine:
         offsets = [0]
         for t in sizes:
             offsets.append(offsets[-1] + t)
+        return _Pass(lengths, sizes, offsets, flat, ropes, spans)
 
+    def _block(self, x: torch.Tensor, li: int, layer: dict, caches: Sequence[KVCache],
+               p: "_Pass") -> torch.Tensor:
+        """One decoder layer over the flat batch: attention (per session), then the MLP."""
+        a = self.arch
         hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        softcap = a.attn_softcap is not None
-        x = self.embed[flat]  # [N, hidden]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
         n = x.shape[0]
-        for li, layer in enumerate(self.layers):
-            cos, sin = ropes[self.layer_rope[li]]
-            span = spans[self.layer_window[li]]
-            h = self._rms_norm(x, layer["attn_norm"])
-            qkv = layer["qkv"](h)  # [N, (hq + 2 hkv) d]
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q = q.view(n, hq, d)
-            k = k.view(n, hkv, d)
-            v = v.view(n, hkv, d)
-            if "q_norm" in layer:  # per-head RMSNorm before RoPE (Qwen3, Gemma 3)
-                q = self._rms_norm(q, layer["q_norm"])
-                k = self._rms_norm(k, layer["k_norm"])
-            q = q * cos + self._rotate_half(q) * sin
-            k = k * cos + self._rotate_half(k) * sin
-            outs = []
-            for i, cache in enumerate(caches):
-                s, e, n0 = offsets[i], offsets[i + 1], lengths[i]
-                start, mask = span[i]
-                cache.k[li, :, n0 : n0 + e - s] = k[s:e].transpose(0, 1)
-                cache.v[li, :, n0 : n0 + e - s] = v[s:e].transpose(0, 1)
-                keys = cache.k[li, :, start : n0 + e - s]  # [hkv, S, d]
-                values = cache.v[li, :, start : n0 + e - s]
-                if softcap:
-                    attn = self._softcapped_attention(q[s:e].transpose(0, 1)[None], keys[None],
-                                                      values[None], mask)
-                else:
-                    attn = F.scaled_dot_product_attention(
-                        q[s:e].transpose(0, 1)[None],  # [1, hq, t, d]
-                        keys[None],
-                        values[None],
-                        attn_mask=mask,
-                        enable_gqa=hq != hkv,
-                        scale=a.attn_scale,
-                    )  # [1, hq, t, d]
-                outs.append(attn[0].transpose(0, 1).reshape(e - s, hq * d))
-            attn_out = layer["o"](torch.cat(outs) if len(outs) > 1 else outs[0])
-            if "post_attn_norm" in layer:  # Gemma 2/3
-                attn_out = self._rms_norm(attn_out, layer["post_attn_norm"])
-            x = x + attn_out
-            h = self._rms_norm(x, layer["mlp_norm"])
-            gate, up = layer["gate_up"](h).chunk(2, dim=-1)
-            mlp_out = layer["down"](self.act(gate) * up)
-            if "post_mlp_norm" in layer:
-                mlp_out = self._rms_norm(mlp_out, layer["post_mlp_norm"])
-            x = x + mlp_out
+        cos, sin = p.ropes[self.layer_rope[li]]
+        h = self._rms_norm(x, layer["attn_norm"])
+        qkv = layer["qkv"](h)  # [N, (hq + 2 hkv) d]
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+        q = q.view(n, hq, d)
+        k = k.view(n, hkv, d)
+        v = v.view(n, hkv, d)
+        if "q_norm" in layer:  # per-head RMSNorm before RoPE (Qwen3, Gemma 3)
+            q = self._rms_norm(q, layer["q_norm"])
+            k = self._rms_norm(k, layer["k_norm"])
+        q = q * cos + self._rotate_half(q) * sin
+        k = k * cos + self._rotate_half(k) * sin
+        attn_out = layer["o"](self._attend(q, k, v, li, caches, p))
+        if "post_attn_norm" in layer:  # Gemma 2/3
+            attn_out = self._rms_norm(attn_out, layer["post_attn_norm"])
+        x = x + attn_out
+        h = self._rms_norm(x, layer["mlp_norm"])
+        gate, up = layer["gate_up"](h).chunk(2, dim=-1)
+        mlp_out = layer["down"](self.act(gate) * up)
+        if "post_mlp_norm" in layer:
+            mlp_out = self._rms_norm(mlp_out, layer["post_mlp_norm"])
+        return x + mlp_out
 
-        for c, n0, t in zip(caches, lengths, sizes):
-            c.length = n0 + t
-        rows = torch.cat(
-            [
-                torch.arange(offsets[i + 1] - m, offsets[i + 1], device=self.device)
-                for i, m in enumerate(num_logits)
-            ]
-        )
-        if rows.numel() == 0:
-            return [torch.empty(0, self.vocab_out) for _ in caches]
-        logits = self.head(self._rms_norm(x[rows], self.norm)).float()  # [sum n_i, vocab_out]
-        if a.final_softcap is not None:  # Gemma 2/3
-            logits = torch.tanh(logits / a.final_softcap) * a.final_softcap
-        return list(logits.split(list(num_logits)))
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int,
+                caches: Sequence[KVCache], p: "_Pass") -> torch.Tensor:
+        """Each session's new keys and values into its cache, and its queries against them:
+        [N, hq * head_dim]."""
+        a = self.arch
+        hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        span = p.spans[self.layer_window[li]]
+        outs = []
+        for i, cache in enumerate(caches):
+            s, e, n0 = p.offsets[i], p.offsets[i + 1], p.lengths[i]
+            start, mask = span[i]
+            cache.k[li, :, n0 : n0 + e - s] = k[s:e].transpose(0, 1)
+            cache.v[li, :, n0 : n0 + e - s] = v[s:e].transpose(0, 1)
+            keys = cache.k[li, :, start : n0 + e - s]  # [hkv, S, d]
+            values = cache.v[li, :, start : n0 + e - s]
+            if a.attn_softcap is not None:
+                attn = self._softcapped_attention(q[s:e].transpose(0, 1)[None], keys[None],
+                                                  values[None], mask)
+            else:
+                attn = F.scaled_dot_product_attention(
+                    q[s:e].transpose(0, 1)[None],  # [1, hq, t, d]
+                    keys[None],
+                    values[None],
+                    attn_mask=mask,
+                    enable_gqa=hq != hkv,
+                    scale=a.attn_scale,
+                )  # [1, hq, t, d]
+            outs.append(attn[0].transpose(0, 1).reshape(e - s, hq * d))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
 
     def token_ids(self, out_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids of output logit indices (identity without a vocab_map)."""
@@ -346,3 +364,14 @@ class LlamaEngine:
         full = torch.full((logits.shape[0], vocab_size), float("-inf"), device=logits.device)
         full[:, self.vocab_map.to(logits.device)] = logits
         return full
+
+
+class _Pass(NamedTuple):
+    """The layout of one forward pass (LlamaEngine._layout)."""
+
+    lengths: list[int]  # cached positions per session before the pass
+    sizes: list[int]  # new tokens per session
+    offsets: list[int]  # session i's new tokens are flat[offsets[i]:offsets[i + 1]]
+    flat: torch.Tensor  # [N] every session's new tokens
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) per RoPE group
+    spans: dict  # window -> per session (first key position, mask or None)

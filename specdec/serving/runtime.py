@@ -17,7 +17,6 @@ import torch
 from specdec.config import ServiceConfig
 from specdec.serving.drafting import DraftWork, NgramDrafter, Proposal, ProposeCall
 from specdec.serving.engine import LlamaEngine
-from specdec.serving.kernels import timed
 from specdec.serving.scheduler import BatchScheduler
 from specdec.serving.session import SessionStore
 from specdec.serving.target import VerifyCall, VerifyResult, VerifyWork
@@ -26,7 +25,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class ModelInfo:
+class ServiceInfo:
+    """What a service tells GetInfo (the wire's ModelInfo message is made from it)."""
+
     model: str
     role: str
     tokenizer_fingerprint: str
@@ -51,8 +52,7 @@ def calibrate(engine: LlamaEngine, max_tokens: int = 16, context: int = 128, rep
     times: list[list[float]] = [[] for _ in range(max_tokens)]
     for rep in range(reps + 1):
         for m in range(1, max_tokens + 1):
-            cache.truncate(context)
-            ms = timed(lambda: engine.forward([cache], [tokens[context : context + m]], [m]))
+            ms = engine.timed_forward(cache, context, tokens[context : context + m])
             if rep:  # rep 0 is the warm-up
                 times[m - 1].append(ms)
     medians = [statistics.median(t) for t in times]
@@ -60,7 +60,7 @@ def calibrate(engine: LlamaEngine, max_tokens: int = 16, context: int = 128, rep
 
 
 class _Runtime:
-    def __init__(self, config: ServiceConfig, info: ModelInfo, engine: LlamaEngine | None):
+    def __init__(self, config: ServiceConfig, info: ServiceInfo, engine: LlamaEngine | None):
         self.config = config
         self.info = info
         self.engine = engine
@@ -111,7 +111,7 @@ class TargetRuntime(_Runtime):
 
 
 class DraftRuntime(_Runtime):
-    def __init__(self, config: ServiceConfig, info: ModelInfo, engine: LlamaEngine | None,
+    def __init__(self, config: ServiceConfig, info: ServiceInfo, engine: LlamaEngine | None,
                  q_top_k: int = 64, max_ngram: int = 4):
         super().__init__(config, info, engine)
         self.q_top_k = q_top_k
@@ -132,4 +132,4 @@ class DraftRuntime(_Runtime):
         return self.scheduler.submit(work), work
 
 
-__all__ = ["ModelInfo", "TargetRuntime", "DraftRuntime", "Proposal", "VerifyResult", "calibrate"]
+__all__ = ["ServiceInfo", "TargetRuntime", "DraftRuntime", "Proposal", "VerifyResult", "calibrate"]
