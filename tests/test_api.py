@@ -290,6 +290,10 @@ BAD = [
     (COMPLETE, {"model": MODEL, "prompt": ""}, "prompt"),
     (COMPLETE, {"model": MODEL, "prompt": []}, "prompt"),
     (COMPLETE, {"model": MODEL, "prompt": ["a", "b"]}, "prompt"),
+    (COMPLETE, {"model": MODEL, "prompt": [[1, 2], [3]]}, "prompt"),  # a batch of two
+    (COMPLETE, {"model": MODEL, "prompt": [[]]}, "prompt"),
+    (COMPLETE, {"model": MODEL, "prompt": [[10**9]]}, "prompt"),
+    (COMPLETE, {"model": MODEL, "prompt": [[1, "2"]]}, "prompt"),
     (COMPLETE, {"model": MODEL, "prompt": [10**9]}, "prompt"),
     (CHAT, {"model": MODEL, "messages": MSGS, "max_tokens": 0}, "max_tokens"),
     (CHAT, {"model": MODEL, "messages": MSGS, "max_tokens": -3}, "max_tokens"),
@@ -323,6 +327,36 @@ BAD = [
     (CHAT, b'{"model": "tiny", "messages": [', None),
     (CHAT, b"", None),
 ]
+
+
+def test_a_batch_of_one_prompt_is_that_prompt(api, tok):
+    """prompt as [text] or [[ids]] (lm-eval's local-completions sends [[ids]]: a batch of one)
+    is the same request as the text or the ids alone; a batch of several is refused by name."""
+    ids = tok(PROMPT)["input_ids"]
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    with httpx.Client(base_url=api, timeout=60) as http:
+        answers = [http.post(COMPLETE, json={"prompt": p, **kw}) for p in
+                   (PROMPT, [PROMPT], ids, [ids])]
+        assert [r.status_code for r in answers] == [200] * 4, [r.text for r in answers]
+        first = answers[0].json()["choices"][0]
+        for r in answers[1:]:
+            choice = r.json()["choices"][0]
+            assert choice["text"] == first["text"]
+            assert choice["logprobs"]["tokens"] == first["logprobs"]["tokens"]
+        # lm-eval's scoring request: echo, logprobs 1, max_tokens 1, the ids as a batch of one
+        echo = http.post(COMPLETE, json={**kw, "prompt": [ids], "max_tokens": 1, "echo": True,
+                                         "seed": 1234, "stop": ["\n"]})
+        assert echo.status_code == 200, echo.text
+        lp = echo.json()["choices"][0]["logprobs"]
+        assert len(lp["token_logprobs"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        assert echo.json()["choices"][0]["text"].startswith(tok.decode(ids))
+        two = http.post(COMPLETE, json={**kw, "prompt": [ids, ids]})
+        wrong = http.post(COMPLETE, json={**kw, "prompt": [[1, "2"]]})
+    assert two.status_code == wrong.status_code == 400
+    err = two.json()["error"]
+    assert err["param"] == "prompt" and "batch of 2" in err["message"], err
+    err = wrong.json()["error"]
+    assert err["param"] == "prompt" and "list of token ids" in err["message"], err
 
 
 def test_bad_requests_get_400_and_the_server_keeps_serving(api):

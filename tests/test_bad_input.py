@@ -297,7 +297,9 @@ HTTP_BAD = [
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"text": "x"}]}]},
      "messages", None),
     (COMPLETE, {"model": MODEL, "prompt": [1, "2"]}, "prompt", None),
-    (COMPLETE, {"model": MODEL, "prompt": [[1, 2]]}, "prompt", None),
+    # ([[1, 2]] is a batch of one prompt, served as [1, 2]: lm-eval sends that)
+    (COMPLETE, {"model": MODEL, "prompt": [[1, "2"]]}, "prompt", "list of token ids"),
+    (COMPLETE, {"model": MODEL, "prompt": [[[1, 2]]]}, "prompt", "list of token ids"),
     (COMPLETE, {"model": MODEL, "prompt": "x", "stream_options": {"include_usage": "y"}},
      "stream_options", None),
     (COMPLETE, {"model": MODEL, "prompt": "x", "max_tokens": 2.5}, "max_tokens", None),

@@ -41,6 +41,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return invalid(f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}")
     if not loc:
         return invalid(f"request body: {err['msg']} (expected a JSON object)")
+    if loc[0] == "prompt" and err.get("type") != "missing":  # a union: say what it can be
+        return invalid("prompt must be a string, a list of token ids (integers), or a list "
+                       "of one of these (a batch of one prompt)", "prompt")
     # Union members appear in loc by type name ("stop", "str"): keep field names and indexes.
     path = [str(loc[0])] + [f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:]
                             if isinstance(p, int) or not _is_type_tag(p)]

@@ -36,12 +36,19 @@ class RequestBuilder:
             raise invalid(f"model {model!r} is not served here; this server serves "
                            f"{self.model_name!r}", "model", "model_not_found")
 
-    def completion_prompt(self, body: CompletionBody) -> list[int]:
+    @staticmethod
+    def one_prompt(body: CompletionBody) -> str | list[int]:
+        """The request's prompt: text or token ids, sent alone or as a batch of one."""
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise invalid("one prompt per request (n = 1): send a string", "prompt")
+                raise invalid(f"one prompt per request: got a batch of {len(prompt)} prompts; "
+                              "send each as its own request (lm-eval: batch_size=1)", "prompt")
             prompt = prompt[0]
+        return prompt
+
+    def completion_prompt(self, body: CompletionBody) -> list[int]:
+        prompt = self.one_prompt(body)
         if not prompt:
             raise invalid("prompt must not be empty", "prompt")
         if isinstance(prompt, str):
@@ -54,9 +61,7 @@ class RequestBuilder:
 
     def prompt_text(self, body: CompletionBody, prompt_ids: list[int]) -> str:
         """The prompt as echoed: the text sent, or the token ids' text."""
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            prompt = prompt[0]
+        prompt = self.one_prompt(body)
         return prompt if isinstance(prompt, str) else self.backend.tokenizer.decode(prompt_ids)
 
     def chat_prompt(self, body: ChatBody) -> list[int]:

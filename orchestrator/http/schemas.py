@@ -110,7 +110,8 @@ class GenerationBody(_Body):
 
 
 class CompletionBody(GenerationBody):
-    prompt: str | list[str] | list[int]
+    # A batch of one ([text] or [[ids]], as lm-eval's local-completions sends) is one prompt.
+    prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool = False
     logprobs: int | None = None
     best_of: int | None = None
