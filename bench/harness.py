@@ -12,16 +12,14 @@ import dataclasses
 import json
 import logging
 import pathlib
-import time
 
-import torch
+from specdec.models.hf_generate import SYSTEMS as HF_SYSTEMS
 
 log = logging.getLogger(__name__)
 
 PROMPT_DIR = pathlib.Path(__file__).parent / "prompts"
 PROMPT_SETS = {"default": PROMPT_DIR / "default.jsonl", "grounded": PROMPT_DIR / "grounded.jsonl"}
 
-HF_SYSTEMS = ("hf", "hf-assisted", "hf-prompt-lookup")
 SPECDEC_SYSTEMS = ("specdec-target-only", "specdec-spec", "specdec-pipelined", "specdec-ngram")
 ALL_SYSTEMS = HF_SYSTEMS + SPECDEC_SYSTEMS
 BASELINE = "hf"
@@ -51,43 +49,6 @@ class Run:
     k_mean: float = 0.0
     tokens_per_round: list[int] = dataclasses.field(default_factory=list)
     timeline: list[tuple[str, float, float, str]] = dataclasses.field(default_factory=list)
-
-
-class HFSystems:
-    """transformers generate: target-only, assisted by the same draft, prompt lookup."""
-
-    def __init__(self, target: str, draft: str | None, threads: int):
-        from specdec.models import draft_model
-        from specdec.models.hub import load_hf_model
-        from specdec.models.loading import resolve_draft_spec
-
-        self.threads = threads
-        self.model, self.tokenizer = load_hf_model(target)
-        self.assistant = None
-        if draft is not None and draft != "ngram":
-            spec = resolve_draft_spec(draft, target)
-            if draft_model.is_draft_dir(spec):
-                self.assistant = draft_model.to_hf_model(spec)
-            else:
-                self.assistant, _ = load_hf_model(spec)
-
-    def run(self, system: str, prompt_ids: list[int], max_new: int) -> tuple[list[int], float]:
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        ids = torch.tensor([prompt_ids])
-        kwargs = dict(max_new_tokens=max_new, do_sample=False, attention_mask=torch.ones_like(ids),
-                      pad_token_id=self.tokenizer.eos_token_id)
-        if system == "hf-assisted":
-            if self.assistant is None:
-                raise ValueError("hf-assisted needs a model draft")
-            kwargs["assistant_model"] = self.assistant
-        elif system == "hf-prompt-lookup":
-            kwargs["prompt_lookup_num_tokens"] = 10
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(ids, **kwargs)
-        wall = time.perf_counter() - t0
-        return out[0, len(prompt_ids):].tolist(), wall
 
 
 class SpecdecSystems:

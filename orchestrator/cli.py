@@ -239,13 +239,13 @@ async def compare_with_target_alone(orch, req, result, args) -> None:
     through plain transformers ``generate``, and print the speeds side by side."""
     import dataclasses
 
-    from bench.harness import HFSystems
+    from specdec.models.hf_generate import HFGenerate
 
     alone = await orch.generate(dataclasses.replace(req, mode="target-only", k=None))
     rows = [(f"speculative ({result.stats.mode})", result.token_ids, result.stats.wall_s),
             ("target alone (specdec target-only)", alone.token_ids, alone.stats.wall_s)]
     if req.sampling.greedy:
-        hf = HFSystems(args.tokenizer or args.target, None, 0)
+        hf = HFGenerate(args.tokenizer or args.target, None, 0)
         tokens, wall = hf.run("hf", req.prompt_ids, req.max_new_tokens)
         rows.append(("target alone (transformers generate)", tokens, wall))
     width = max(len(name) for name, _, _ in rows)

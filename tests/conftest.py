@@ -309,13 +309,19 @@ def serve_with_key(tmp_path_factory):
         url = f"http://127.0.0.1:{wait_for_port_file(proc, port_file, log_path, 900)}"
         yield proc, url, log_path
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
+    """SIGTERM (a server's clean shutdown), then SIGKILL if it has not exited in ``grace_s``."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def scrape(url: str, **kw) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gzip
 import json
 import os
 import pathlib
@@ -25,7 +26,7 @@ K8S = REPO / "deploy" / "k8s"
 TREES = {"default": K8S, "gpu": K8S / "overlays/gpu", "cpu": K8S / "overlays/cpu",
          "tls": K8S / "overlays/tls"}
 KUBE_VERSION = "1.33.0"
-CRDS = REPO.parent / "shared" / "schemas" / "kuberay-v1.7.0"
+RAYSERVICE_SCHEMA = REPO / "tests" / "data" / "kuberay-v1.7.0-rayservice-v1.json.gz"
 CORE_KINDS = {"ConfigMap", "Service", "Deployment", "PersistentVolumeClaim"}
 
 
@@ -178,18 +179,56 @@ def test_models_pvc_component_renders_a_claim(tmp_path):
         assert models["persistentVolumeClaim"]["claimName"] == "specdec-models"
 
 
+def test_k8s_tls_overlay_flags_parse_into_a_mutual_tls_config(monkeypatch):
+    """The rendered Deployments' args, run through specdec's own parser, give a ServiceConfig
+    with mutual TLS; the RayService pods' environment gives the replicas full client TLS."""
+    from orchestrator.cli import build_parser
+    from orchestrator.ray.app import _env_tls
+    from specdec.rpc import service_main
+
+    docs = render(K8S / "overlays/tls")
+    models = named(docs, "ConfigMap", "specdec-models")["data"]
+    for role in ("draft", "target"):
+        c = container(named(docs, "Deployment", f"specdec-{role}"))
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        parsed = build_parser().parse_args(_substitute(c["args"], models))
+        config = service_main.service_config_from_args(parsed, role)
+        assert config.tls_client_ca and config.tls_cert and config.tls_key
+        for path in (config.tls_cert, config.tls_key, config.tls_client_ca):
+            assert os.path.dirname(path) in mounts
+    cluster = named(docs, "RayService", "specdec")["spec"]["rayClusterConfig"]
+    for group in (cluster["headGroupSpec"], *cluster["workerGroupSpecs"][:1]):
+        (c,) = group["template"]["spec"]["containers"][:1]
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        for name in ("CA", "CERT", "KEY", "SERVER_NAME"):
+            monkeypatch.delenv(f"SPECDEC_TLS_{name}", raising=False)
+        for name, value in env.items():
+            if name.startswith("SPECDEC_TLS_"):
+                monkeypatch.setenv(name, value)
+        tls = _env_tls()
+        assert tls and tls["ca"] and tls["cert"] and tls["key"]
+        mounts = {m["mountPath"] for m in c["volumeMounts"]}
+        assert {os.path.dirname(tls[k]) for k in ("ca", "cert", "key")} <= mounts
+
+
+def _substitute(args: list[str], variables: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion in container args."""
+    out = []
+    for a in args:
+        for k, v in variables.items():
+            a = a.replace(f"$({k})", v)
+        out.append(a)
+    return out
+
+
 # --------------------------------------------------------------------------- KubeRay CRDs
 
 
 @functools.lru_cache(maxsize=None)
 def crd_schema(kind: str) -> dict:
-    path = CRDS / f"ray.io_{kind.lower()}s.yaml"
-    if not path.exists():
-        pytest.skip(f"KubeRay CRD schemas not found at {CRDS} (they live in the shared folder "
-                    "beside the repository, not in it)")
-    crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
-    return version["schema"]["openAPIV3Schema"]
+    """The openAPIV3Schema of a KubeRay kind's v1 version (tests/data, KubeRay v1.7.0)."""
+    assert kind == "RayService", kind
+    return json.loads(gzip.decompress(RAYSERVICE_SCHEMA.read_bytes()))
 
 
 def to_json_schema(node):
@@ -427,3 +466,40 @@ def test_ray_config_draft_defaults_and_target_only():
     assert fixed.target.replicas == 2 and not fixed.target.uses_actors
     # what Serve hands each replica (to_dict) builds the same config again
     assert RayAppConfig.from_dict(default.to_dict()) == default
+
+
+# --------------------------------------------------------------------------- images
+
+
+def test_the_services_image_carries_no_extras_and_the_services_need_none():
+    """Dockerfile.services installs the runtime requirements only, the k8s services run that
+    image, and the CLI and both services import with Ray, plotting and the test tools absent."""
+    sys.path.insert(0, str(REPO / "deploy"))
+    try:
+        import requirements
+    finally:
+        sys.path.pop(0)
+    runtime = requirements.requirements([], REPO / "pyproject.toml")
+    names = {r.split("[")[0].split(">")[0].split("=")[0].split("<")[0] for r in runtime}
+    assert not names & {"ray", "pytest", "matplotlib", "openai", "lm-eval", "grpcio-tools"}
+    assert "ray[serve]>=2.40" in requirements.requirements(["ray"], REPO / "pyproject.toml")
+    with pytest.raises(SystemExit, match="unknown extra"):
+        requirements.requirements(["rays"], REPO / "pyproject.toml")
+    docker = (REPO / "deploy/docker/Dockerfile.services").read_text()
+    install = docker[docker.index("\nRUN "):docker.index("\nUSER")]
+    assert "python deploy/requirements.py >" in install and "[" not in install  # no extra
+    docs = render(K8S)
+    for role in ("draft", "target"):
+        assert container(named(docs, "Deployment", f"specdec-{role}"))["image"].startswith(
+            "specdec-services:")
+    absent = ("ray", "matplotlib", "pytest", "openai", "lm_eval", "hypothesis", "grpc_tools")
+    code = ("import sys\n"
+            f"for m in {absent!r}: sys.modules[m] = None  # importing any of them fails\n"
+            "import draft_service.server, target_service.server\n"
+            "import specdec.models.loading, specdec.serving.runtime\n"
+            "from orchestrator.cli import main\n"
+            "main(['serve-target', '--help'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--model" in out.stdout

@@ -73,7 +73,7 @@ def test_cache_grows_and_refuses_past_the_context(tiny):
 def test_unsupported_architecture_is_refused():
     from types import SimpleNamespace
 
-    from specdec.models.arch import ArchConfig
+    from specdec.serving.arch import ArchConfig
 
     with pytest.raises(ValueError, match="not supported"):
         ArchConfig.from_hf(SimpleNamespace(model_type="gpt2"))

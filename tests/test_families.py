@@ -20,8 +20,8 @@ import pytest
 import torch
 from conftest import REPO, ServiceThread, hf_greedy, perturb, run
 
-from specdec.models.arch import ArchConfig
 from specdec.models.hub import load_hf_model
+from specdec.serving.arch import ArchConfig
 from specdec.serving.engine import LlamaEngine
 
 TOL = 1e-4  # max |engine - transformers| over a logits row, relative to the row's largest |logit|
@@ -257,7 +257,7 @@ def test_speculative_greedy_equals_transformers_generate(family_dirs, name):
 
 
 def test_the_llama3_test_model_has_all_three_bands_of_the_scaling():
-    from specdec.models.arch import rope_inv_freq
+    from specdec.serving.arch import rope_inv_freq
 
     arch = ArchConfig.from_hf(make_config("llama3")[0])
     scaled = rope_inv_freq(arch.rope_theta, arch.rope_scaling, arch.head_dim, arch.max_context)

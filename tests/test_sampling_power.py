@@ -253,8 +253,8 @@ def small_vocab_pair(tmp_path_factory):
     """A 16-token tiny target, and a draft directory made from a noisy copy of it with a
     reduced vocabulary (its head covers 12 of the 16 ids) served with q truncated to 6 tokens."""
     from specdec.models import draft_model
-    from specdec.models.arch import ArchConfig, canonical_weights
     from specdec.models.hub import load_hf_model
+    from specdec.serving.arch import ArchConfig, canonical_weights
 
     root = tmp_path_factory.mktemp("smallvocab")
     target = make_tiny_model(root / "target", seed=5, layers=1, hidden=32, heads=2, kv_heads=1,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import time
@@ -17,14 +16,14 @@ import httpx
 import openai
 import pytest
 from certs import CA
-from conftest import REPO, ServiceThread, hf_greedy, run, wait_for_port_file
+from conftest import REPO, ServiceThread, hf_greedy, run, stop_process, wait_for_port_file
 
 from orchestrator.generation import GenerationRequest
 from orchestrator.local import ServiceProcess, service_args
 from orchestrator.pair import close, connect
 from orchestrator.service_clients import ServiceError
 from specdec.models.hub import load_tokenizer
-from specdec.rpc import service_main, transport
+from specdec.rpc import transport
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc
 
@@ -276,12 +275,7 @@ def test_serve_https_api_key_and_no_secret_in_any_log(mtls_pair, tiny_models, pk
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
     logs = {path.name: path.read_text(errors="replace")
             for path in (log_path, pathlib.Path(target.log_path), pathlib.Path(draft.log_path))}
     assert "request id=" in logs["serve.log"]  # the logs did capture the requests
@@ -295,49 +289,3 @@ def test_serve_https_api_key_and_no_secret_in_any_log(mtls_pair, tiny_models, pk
         assert "PRIVATE KEY" not in text, log_name
         for what, secret in secrets.items():
             assert secret not in text, f"{what} found in {log_name}"
-
-
-# --------------------------------------------------------------------------- deployment
-
-
-def test_k8s_tls_overlay_flags_parse_into_a_mutual_tls_config(monkeypatch):
-    """The rendered Deployments' args, run through specdec's own parser, give a ServiceConfig
-    with mutual TLS; the RayService pods' environment gives the replicas full client TLS."""
-    from test_deploy import K8S, container, named, render
-
-    from orchestrator.cli import build_parser
-    from orchestrator.ray.app import _env_tls
-
-    docs = render(K8S / "overlays/tls")
-    models = named(docs, "ConfigMap", "specdec-models")["data"]
-    for role in ("draft", "target"):
-        c = container(named(docs, "Deployment", f"specdec-{role}"))
-        mounts = {m["mountPath"] for m in c["volumeMounts"]}
-        parsed = build_parser().parse_args(_substitute(c["args"], models))
-        config = service_main.service_config_from_args(parsed, role)
-        assert config.tls_client_ca and config.tls_cert and config.tls_key
-        for path in (config.tls_cert, config.tls_key, config.tls_client_ca):
-            assert os.path.dirname(path) in mounts
-    cluster = named(docs, "RayService", "specdec")["spec"]["rayClusterConfig"]
-    for group in (cluster["headGroupSpec"], *cluster["workerGroupSpecs"][:1]):
-        (c,) = group["template"]["spec"]["containers"][:1]
-        env = {e["name"]: e.get("value") for e in c.get("env", [])}
-        for name in ("CA", "CERT", "KEY", "SERVER_NAME"):
-            monkeypatch.delenv(f"SPECDEC_TLS_{name}", raising=False)
-        for name, value in env.items():
-            if name.startswith("SPECDEC_TLS_"):
-                monkeypatch.setenv(name, value)
-        tls = _env_tls()
-        assert tls and tls["ca"] and tls["cert"] and tls["key"]
-        mounts = {m["mountPath"] for m in c["volumeMounts"]}
-        assert {os.path.dirname(tls[k]) for k in ("ca", "cert", "key")} <= mounts
-
-
-def _substitute(args: list[str], variables: dict[str, str]) -> list[str]:
-    """Kubernetes' $(VAR) expansion in container args."""
-    out = []
-    for a in args:
-        for k, v in variables.items():
-            a = a.replace(f"$({k})", v)
-        out.append(a)
-    return out

@@ -289,33 +289,7 @@ def create_app(backend, model_name: str, api_key: str | None = None, *,
     if api_key:  # added last, so it runs first: no body is read for an unauthorized request
         app.add_middleware(BearerAuth, api_key=api_key)
 
-    def error_response(request: Request, err: APIError) -> JSONResponse:
-        if err.status == 400 and request.url.path.startswith("/v1/"):
-            front.metrics.failure("invalid")
-            log.info("request endpoint=%s outcome=invalid status=400 message=%r",
-                     request.url.path, err.message)
-        return JSONResponse(err.body(), status_code=err.status)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return error_response(request, exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        # OpenAI answers 400 for a bad body, not FastAPI's 422.
-        return error_response(request, validation_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 400:  # FastAPI could not even decode the body
-            cause = exc.__cause__
-            why = ("it is not UTF-8" if isinstance(cause, UnicodeDecodeError) else
-                   "it is nested too deeply" if isinstance(cause, RecursionError) else
-                   str(exc.detail))
-            return error_response(request, invalid(f"malformed JSON body: {why}"))
-        err = APIError(exc.status_code, str(exc.detail),
-                       code="not_found" if exc.status_code == 404 else None)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+    _handle_errors(app, front)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
@@ -365,3 +339,36 @@ def create_app(backend, model_name: str, api_key: str | None = None, *,
         return Response(front.metrics.exposition(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _handle_errors(app: FastAPI, front: _Front) -> None:
+    """Every error in OpenAI's body: APIError as raised, a bad body as 400 (not FastAPI's
+    422), Starlette's HTTP errors (404, 405, an undecodable body) alike."""
+
+    def error_response(request: Request, err: APIError) -> JSONResponse:
+        if err.status == 400 and request.url.path.startswith("/v1/"):
+            front.metrics.failure("invalid")
+            log.info("request endpoint=%s outcome=invalid status=400 message=%r",
+                     request.url.path, err.message)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        # OpenAI answers 400 for a bad body, not FastAPI's 422.
+        return error_response(request, validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400:  # FastAPI could not even decode the body
+            cause = exc.__cause__
+            why = ("it is not UTF-8" if isinstance(cause, UnicodeDecodeError) else
+                   "it is nested too deeply" if isinstance(cause, RecursionError) else
+                   str(exc.detail))
+            return error_response(request, invalid(f"malformed JSON body: {why}"))
+        err = APIError(exc.status_code, str(exc.detail),
+                       code="not_found" if exc.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)

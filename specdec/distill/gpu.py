@@ -238,7 +238,7 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
 
 def finish(out: pathlib.Path, draft_out: pathlib.Path, target: str, command: str) -> dict:
     from specdec.models import draft_model
-    from specdec.models.arch import ArchConfig
+    from specdec.serving.arch import ArchConfig
 
     card = json.loads((out / RESULT_FILE).read_text())
     weights = {}

@@ -25,8 +25,8 @@ import torch
 from tqdm import tqdm
 
 from specdec.models import draft_model
-from specdec.models.arch import ArchConfig
 from specdec.models.draft_model import DraftModule
+from specdec.serving.arch import ArchConfig
 from specdec.serving.engine import LlamaEngine
 
 log = logging.getLogger(__name__)
@@ -135,8 +135,8 @@ def soft_target_loss(logits: torch.Tensor, rows, tgt_ids, tgt_lp) -> tuple[torch
 def init_from_target(recipe: Recipe, vocab_map: torch.Tensor,
                      model=None) -> tuple[DraftModule, ArchConfig]:
     """A draft module initialised from the target (``model``, or loaded from recipe.target)."""
-    from specdec.models.arch import canonical_weights
     from specdec.models.hub import load_hf_model
+    from specdec.serving.arch import canonical_weights
 
     if model is None:
         model, _ = load_hf_model(recipe.target)

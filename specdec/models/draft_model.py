@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specdec.models.arch import ArchConfig, rope_inv_freq
+from specdec.serving.arch import ArchConfig, rope_inv_freq
 from specdec.serving.engine import LlamaEngine
 
 FORMAT = "specdec-draft/1"

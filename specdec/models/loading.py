@@ -7,9 +7,9 @@ import logging
 import torch
 
 from specdec.config import ServiceConfig
-from specdec.models.arch import ArchConfig
 from specdec.models.hub import load_hf_model, pick_device, resolve_model_dir
 from specdec.models.tokenizer import eos_token_ids, fingerprint
+from specdec.serving.arch import ArchConfig
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.runtime import DraftRuntime, ServiceInfo, TargetRuntime
 

@@ -25,7 +25,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.models.arch import ArchConfig, canonical_weights, rope_inv_freq
+from specdec.serving.arch import ArchConfig, canonical_weights, rope_inv_freq
 from specdec.serving.kernels import (
     KERNEL_CHOICES,
     KernelPlan,
