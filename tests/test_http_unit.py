@@ -182,7 +182,8 @@ def test_the_native_route_shares_the_request_model(tokenizer):
     # defaults from the server, as on the OpenAI routes
     call(backend, "POST", "/generate", defaults=defaults, json={"prompt_ids": [1, 2]})
     assert backend.seen[-1].max_new_tokens == 4
-    for bad, param in (({"prompt_ids": [1], "mode": "warp"}, "specdec_mode"),
+    for bad, param in (({"prompt_ids": [1], "mode": "warp"}, "mode"),
+                       ({"prompt_ids": [1], "max_new_tokens": 0}, "max_new_tokens"),
                        ({"max_new_tokens": 2}, "prompt"),
                        ({"prompt_ids": [1], "temperature": -2}, "temperature"),
                        ({"prompt_ids": [1], "stream": True}, "stream"),

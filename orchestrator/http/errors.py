@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi.exceptions import RequestValidationError
 
 from orchestrator.service_clients import ServiceError
@@ -18,6 +20,15 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.type = type
+
+    def respelled(self, names: dict[str, str]) -> "APIError":
+        """This error as a body that spells the fields otherwise says it (the native route's
+        ``max_new_tokens`` for ``max_tokens``, ...)."""
+        message = self.message
+        for ours, theirs in names.items():
+            message = re.sub(rf"\b{ours}\b", theirs, message)
+        return APIError(self.status, message, names.get(self.param, self.param), self.code,
+                        self.type)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

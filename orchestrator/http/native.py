@@ -7,6 +7,7 @@ import asyncio
 
 import fastapi
 
+from orchestrator.http.errors import APIError
 from orchestrator.http.schemas import GenerateBody
 
 
@@ -21,9 +22,12 @@ def native_routes(front) -> fastapi.APIRouter:
 
     @routes.post("/generate")
     async def generate(body: GenerateBody) -> dict:
-        front.requests.unsupported(body)
-        prompt_ids = await asyncio.to_thread(front.requests.native_prompt, body)
-        req = front.requests.generation_request(body, prompt_ids, "", body.max_tokens)
+        try:
+            front.requests.unsupported(body)
+            prompt_ids = await asyncio.to_thread(front.requests.native_prompt, body)
+            req = front.requests.generation_request(body, prompt_ids, "", body.max_tokens)
+        except APIError as err:
+            raise err.respelled(GenerateBody.SPELLING) from None
         try:
             result, i = await router.generate_on_pair(req, body.session)
         except ValueError as exc:

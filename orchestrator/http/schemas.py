@@ -9,7 +9,7 @@ Ray front's) share ``GenerationBody``, so both are validated and defaulted by on
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
@@ -144,6 +144,9 @@ class GenerateBody(GenerationBody):
     (``chat`` applies the chat template to ``prompt``)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+    # the OpenAI name of a field -> its name here (errors say what the client sent)
+    SPELLING: ClassVar[dict[str, str]] = {"max_tokens": "max_new_tokens", "specdec_mode": "mode",
+                                          "specdec_k": "k", "specdec_rule": "rule"}
 
     model: str | None = None
     prompt: str | None = None
