@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pathlib
 import time
 
@@ -32,6 +33,13 @@ def register(sub) -> None:
     b.add_argument("--json", action="store_true", help="also print the summary as JSON")
     b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: throughput/latency vs concurrent "
                    "requests (specdec pipelined, specdec target-only, HF one at a time)")
+    b.add_argument("--split", nargs="?", const="auto", metavar="TARGET:DRAFT",
+                   help="separate hardware on one machine: the target service on some cores, "
+                        "the draft on others, the HF baselines on the target's (e.g. 1:0, "
+                        "2-3:0-1; bare --split: the upper half of the cores for the target)")
+    b.add_argument("--rtt-ms", default="0", help="network round trips (ms) added between the "
+                   "orchestrator and each service by a delaying proxy, e.g. 0,0.5,2: every "
+                   "specdec system runs at each")
     b.set_defaults(func=cmd_bench)
 
     v = sub.add_parser("bench-verify", help="cost of a verify pass over m tokens vs one token")
@@ -58,7 +66,7 @@ def _all_systems():
 
 def cmd_bench(args) -> int:
     from bench import report
-    from bench.harness import BASELINE, HF_SYSTEMS, Run, SpecdecSystems, load_prompts
+    from bench.harness import BASELINE, HF_SYSTEMS, Run, SpecdecSystems, load_prompts, system_name
     from specdec.models.hf_generate import HFGenerate
     from specdec.models.tokenizer import encode_prompt
 
@@ -73,35 +81,45 @@ def cmd_bench(args) -> int:
     sets = {name: load_prompts(name) for name in args.prompts}
     if args.limit:
         sets = {k: v[: args.limit] for k, v in sets.items()}
+    cores = split_cores(args.split, os.cpu_count() or 1) if args.split else None
+    rtts = [float(x) for x in args.rtt_ms.split(",")]
+    runs_of = [(s, None) if s in HF_SYSTEMS else (s, r) for s in systems
+               for r in (rtts if s not in HF_SYSTEMS else [None])]
     print(f"starting services and loading HF models for {', '.join(systems)} ...", flush=True)
-    hf = HFGenerate(args.target, args.draft, args.hf_threads)
-    spd = SpecdecSystems(args.target, args.draft, args.threads, systems)
+    hf = HFGenerate(args.target, args.draft,
+                    args.hf_threads or (len(cores["target"]) if cores else 0),
+                    cores=cores["target"] if cores else None)
+    spd = SpecdecSystems(args.target, args.draft, args.threads, systems, cores=cores, rtts=rtts)
     runs: list[Run] = []
     try:
         spd.connect()
         warm = encode_prompt(hf.tokenizer, "Hello!", None)
-        for system in systems:  # warm-up, not recorded
-            _run_one(system, hf, spd, warm, 8, args.k, HF_SYSTEMS)
-        total = sum(len(p) for p in sets.values()) * len(systems)
+        for system, rtt in runs_of:  # warm-up, not recorded
+            _run_one(system, hf, spd, warm, 8, args.k, HF_SYSTEMS, rtt)
+        total = sum(len(p) for p in sets.values()) * len(runs_of)
         with tqdm(total=total, desc="bench", unit="run") as bar:
             for set_name, prompts in sets.items():
                 for i, prompt in enumerate(prompts):
                     ids = encode_prompt(hf.tokenizer, prompt, None)
-                    for system in systems:  # interleaved: drift hits every system alike
-                        run = _run_one(system, hf, spd, ids, args.max_new_tokens, args.k, HF_SYSTEMS)
+                    for system, rtt in runs_of:  # interleaved: drift hits every system alike
+                        run = _run_one(system, hf, spd, ids, args.max_new_tokens, args.k,
+                                       HF_SYSTEMS, rtt)
                         run.prompt_set, run.prompt_index = set_name, i
                         runs.append(run)
                         bar.update(1)
         target_ms = spd.target_forward_ms
     finally:
         spd.close()
-    summary = report.summarize(runs, systems, list(sets), target_ms)
+    names = [system_name(s, r) for s, r in runs_of]
+    summary = report.summarize(runs, names, list(sets), target_ms)
+    summary["split"] = cores
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "specdec bench " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
         for k, v in vars(args).items()
-        if k in ("prompts", "max_new_tokens", "limit", "k", "threads", "hf_threads") and v)
+        if k in ("prompts", "max_new_tokens", "limit", "k", "threads", "hf_threads", "split",
+                 "rtt_ms") and v and v != "0")
     summary["command"] = command
     summary["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (out / "bench.json").write_text(json.dumps(
@@ -155,13 +173,40 @@ def cmd_concurrency(args) -> int:
     return 0
 
 
-def _run_one(system, hf, spd, ids, max_new, k, hf_systems):
+def _run_one(system, hf, spd, ids, max_new, k, hf_systems, rtt=None):
     from bench.harness import Run
 
     if system in hf_systems:
         tokens, wall = hf.run(system, ids, max_new)
         return Run(system=system, prompt_set="", prompt_index=-1, token_ids=tokens, wall_s=wall)
-    return spd.run(system, ids, max_new, k)
+    return spd.run(system, ids, max_new, k, rtt=rtt)
+
+
+def split_cores(spec: str, n_cores: int) -> dict[str, list[int]]:
+    """``--split``: "auto" (the target on the upper half of the cores, the draft on the rest)
+    or "TARGET:DRAFT" core lists (taskset syntax: 1 / 0-3 / 0,2)."""
+    if spec == "auto":
+        if n_cores < 2:
+            raise SystemExit("error: --split needs at least 2 cores")
+        half = n_cores // 2
+        return {"target": list(range(half, n_cores)), "draft": list(range(half))}
+
+    def cores(part: str) -> list[int]:
+        out = []
+        for item in part.split(","):
+            lo, _, hi = item.partition("-")
+            out += list(range(int(lo), int(hi or lo) + 1))
+        return out
+
+    try:
+        target, draft = (cores(p) for p in spec.split(":"))
+    except ValueError:
+        raise SystemExit(f"error: --split wants TARGET:DRAFT core lists, e.g. 1:0, got {spec!r}")
+    if set(target) & set(draft) or not target or not draft:
+        raise SystemExit(f"error: --split needs two disjoint, non-empty core sets, got {spec!r}")
+    if max(target + draft) >= n_cores:
+        raise SystemExit(f"error: --split {spec}: this machine has cores 0-{n_cores - 1}")
+    return {"target": target, "draft": draft}
 
 
 def cmd_bench_verify(args) -> int:

@@ -44,7 +44,8 @@ def run_levels(levels: list[int], prompt_ids: list[list[int]], max_new: int, hf,
                         outputs.append(tokens)
                         bar.update(1)
                 else:
-                    orch = spd.orchestrators["draft" if system == "specdec-pipelined" else "target"]
+                    orch = spd.orchestrators[("draft" if system == "specdec-pipelined"
+                                              else "target", spd.rtts[0])]
                     mode = "pipelined" if system == "specdec-pipelined" else "target-only"
 
                     async def one(ids):

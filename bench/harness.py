@@ -20,7 +20,16 @@ log = logging.getLogger(__name__)
 PROMPT_DIR = pathlib.Path(__file__).parent / "prompts"
 PROMPT_SETS = {"default": PROMPT_DIR / "default.jsonl", "grounded": PROMPT_DIR / "grounded.jsonl"}
 
-SPECDEC_SYSTEMS = ("specdec-target-only", "specdec-spec", "specdec-pipelined", "specdec-ngram")
+SPECDEC_SYSTEMS = ("specdec-target-only", "specdec-spec", "specdec-pipelined",
+                   "specdec-pipelined-plain", "specdec-ngram")
+# system -> (orchestrator, mode, speculation cache); "-plain": pipelining's single guess only
+_SPECDEC = {
+    "specdec-target-only": ("target", "target-only", True),
+    "specdec-spec": ("draft", "spec", True),
+    "specdec-pipelined": ("draft", "pipelined", True),
+    "specdec-pipelined-plain": ("draft", "pipelined", False),
+    "specdec-ngram": ("ngram", "pipelined", True),
+}
 ALL_SYSTEMS = HF_SYSTEMS + SPECDEC_SYSTEMS
 BASELINE = "hf"
 
@@ -49,71 +58,99 @@ class Run:
     k_mean: float = 0.0
     tokens_per_round: list[int] = dataclasses.field(default_factory=list)
     timeline: list[tuple[str, float, float, str]] = dataclasses.field(default_factory=list)
+    pipeline_hits: int = 0
+    pipeline_misses: int = 0
+    branches: int = 0  # speculation-cache branches drafted
+
+
+def system_name(system: str, rtt_ms: float | None) -> str:
+    """A system's name in the results, with the added round trip when there is one."""
+    return system if not rtt_ms else f"{system}@rtt{rtt_ms:g}ms"
 
 
 class SpecdecSystems:
     """Local target + model draft + n-gram draft services, and an orchestrator per pair."""
 
-    def __init__(self, target: str, draft: str, threads: int, systems: list[str]):
+    def __init__(self, target: str, draft: str, threads: int, systems: list[str],
+                 cores: dict[str, list[int]] | None = None, rtts: list[float] = (0.0,)):
+        """``cores``: {"target": [...], "draft": [...]} to pin each service (split topology;
+        threads then default to the cores given). ``rtts``: round trips in ms added between
+        the orchestrator and every service (a delaying proxy per service and value)."""
         from orchestrator.local import ServiceProcess, service_args
 
-        wanted = {"target": ("target", service_args(target, threads))}
-        if any(s in systems for s in ("specdec-spec", "specdec-pipelined")):
-            wanted["draft"] = ("draft", service_args(draft, threads, ["--target", target]))
+        cores = cores or {}
+
+        def args(role, model, extra=()):
+            n = threads or len(cores.get(role, ())) or 0
+            return service_args(model, n, list(extra))
+
+        wanted = {"target": ("target", args("target", target))}
+        if any(_SPECDEC[s][0] == "draft" for s in systems if s in _SPECDEC):
+            wanted["draft"] = ("draft", args("draft", draft, ["--target", target]))
         if "specdec-ngram" in systems:
-            wanted["ngram"] = ("draft", service_args("ngram", threads, ["--target", target]))
+            wanted["ngram"] = ("draft", args("draft", "ngram", ["--target", target]))
         self.processes = {}
+        self.proxies = []
         try:
-            for name, (role, args) in wanted.items():  # one at a time: see LocalServices
-                self.processes[name] = ServiceProcess(role, args)
+            for name, (role, a) in wanted.items():  # one at a time: see LocalServices
+                self.processes[name] = ServiceProcess(role, a, cores=cores.get(role))
                 self.processes[name].wait_port()
         except BaseException:
             for p in self.processes.values():
                 p.stop()
             raise
         self.target_spec = target
-        self.orchestrators: dict[str, object] = {}
+        self.rtts = list(rtts)
+        self.orchestrators: dict[tuple[str, float], object] = {}
         self.loop = asyncio.new_event_loop()
 
     def connect(self) -> None:
+        from bench.netdelay import DelayProxy
         from orchestrator.pair import connect
 
-        t = self.processes["target"].address
+        def via(address: str, rtt: float) -> str:
+            if not rtt:
+                return address
+            proxy = DelayProxy(address, rtt)
+            self.proxies.append(proxy)
+            return proxy.address
+
         pairs = {"target": None, "draft": "draft", "ngram": "ngram"}
-        for name, draft_key in pairs.items():
-            if draft_key is not None and draft_key not in self.processes:
-                continue
-            d = self.processes[draft_key].address if draft_key else None
-            self.orchestrators[name] = self.loop.run_until_complete(
-                connect(t, d, tokenizer_spec=self.target_spec))
+        for rtt in self.rtts:
+            t = via(self.processes["target"].address, rtt)
+            for name, draft_key in pairs.items():
+                if draft_key is not None and draft_key not in self.processes:
+                    continue
+                d = via(self.processes[draft_key].address, rtt) if draft_key else None
+                self.orchestrators[(name, rtt)] = self.loop.run_until_complete(
+                    connect(t, d, tokenizer_spec=self.target_spec))
 
     @property
     def target_forward_ms(self) -> list[float]:
-        return list(self.orchestrators["target"].target.info.forward_ms)
+        return list(self.orchestrators[("target", self.rtts[0])].target.info.forward_ms)
 
     def run(self, system: str, prompt_ids: list[int], max_new: int, k: int | None,
-            sampling=None) -> Run:
+            sampling=None, rtt: float | None = None) -> Run:
         from orchestrator.generation import GenerationRequest
         from specdec.config import SamplingParams
 
-        orch, mode = {
-            "specdec-target-only": ("target", "target-only"),
-            "specdec-spec": ("draft", "spec"),
-            "specdec-pipelined": ("draft", "pipelined"),
-            "specdec-ngram": ("ngram", "pipelined"),
-        }[system]
-        req = GenerationRequest(prompt_ids, max_new, sampling or SamplingParams(), mode=mode, k=k)
-        result = self.loop.run_until_complete(self.orchestrators[orch].generate(req))
+        orch, mode, branches = _SPECDEC[system]
+        rtt = self.rtts[0] if rtt is None else rtt
+        req = GenerationRequest(prompt_ids, max_new, sampling or SamplingParams(), mode=mode, k=k,
+                                branches=branches)
+        result = self.loop.run_until_complete(self.orchestrators[(orch, rtt)].generate(req))
         s = result.stats
         split = s.time_split()
         t0 = min((c.start for c in s.calls), default=0.0)
         return Run(
-            system=system, prompt_set="", prompt_index=-1, token_ids=result.token_ids,
-            wall_s=s.wall_s, rounds=s.rounds, draft_tokens=s.draft_tokens,
-            accepted_tokens=s.accepted_tokens, draft_busy_s=split["draft_s"],
-            verify_busy_s=split["verify_s"], k_mean=s.k_mean,
+            system=system_name(system, rtt), prompt_set="", prompt_index=-1,
+            token_ids=result.token_ids, wall_s=s.wall_s, rounds=s.rounds,
+            draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
+            draft_busy_s=split["draft_s"], verify_busy_s=split["verify_s"], k_mean=s.k_mean,
             tokens_per_round=list(s.tokens_per_round),
             timeline=[(c.service, c.start - t0, c.end - t0, c.outcome) for c in s.calls],
+            pipeline_hits=s.pipeline_hits, pipeline_misses=s.pipeline_misses,
+            branches=s.branches_drafted,
         )
 
     def close(self) -> None:
@@ -122,5 +159,7 @@ class SpecdecSystems:
         for orch in self.orchestrators.values():
             self.loop.run_until_complete(close(orch))
         self.loop.close()
+        for proxy in self.proxies:
+            proxy.close()
         for p in self.processes.values():
             p.stop()

@@ -42,7 +42,11 @@ def summarize(runs, systems: list[str], sets: list[str], target_ms: list[float])
             if rounds:
                 a = sum(r.accepted_tokens for r in rs) / drafted if drafted else 0.0
                 k_mean = sum(r.k_mean * r.rounds for r in rs) / rounds
+                hits = sum(r.pipeline_hits for r in rs)
+                tries = hits + sum(r.pipeline_misses for r in rs)
                 row.update(
+                    cache_hit_rate=hits / tries if tries else None,
+                    branches_per_round=sum(r.branches for r in rs) / rounds,
                     acceptance=a,
                     tokens_per_round=sum(sum(r.tokens_per_round) for r in rs) / rounds,
                     k_mean=k_mean,
@@ -62,15 +66,15 @@ def _fmt(v, spec=".2f"):
 
 def table(summary: dict) -> str:
     head = ("| set | system | tok/s | speedup vs HF | worst prompt | acceptance | tokens/round | "
-            "k mean | overlap eff. | bound tok/s |")
-    lines = [head, "|" + "---|" * 10]
+            "k mean | overlap eff. | pipeline hit rate | bound tok/s |")
+    lines = [head, "|" + "---|" * 11]
     for r in summary["rows"]:
         lines.append(
             f"| {r['prompt_set']} | {r['system']} | {r['tokens_per_s']:.1f} | "
             f"{r['speedup']:.2f}x | {_fmt(r.get('min_prompt_speedup'))} | "
             f"{_fmt(r.get('acceptance'))} | {_fmt(r.get('tokens_per_round'))} | "
             f"{_fmt(r.get('k_mean'))} | {_fmt(r.get('overlap_efficiency'))} | "
-            f"{_fmt(r.get('bound_tokens_per_s'), '.1f')} |"
+            f"{_fmt(r.get('cache_hit_rate'))} | {_fmt(r.get('bound_tokens_per_s'), '.1f')} |"
         )
     return "\n".join(lines)
 

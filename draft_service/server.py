@@ -12,6 +12,7 @@ from specdec.config import ServiceConfig
 from specdec.models.loading import build_draft
 from specdec.rpc import service_main
 from specdec.rpc.host import CommonServicerMixin, ServiceHost, run_call
+from specdec.serving.branching import BranchCall
 from specdec.serving.drafting import ProposeCall
 from specdec.wire import specdec_pb2 as pb
 from specdec.wire import specdec_pb2_grpc as pb_grpc
@@ -28,6 +29,8 @@ class DraftServicer(CommonServicerMixin, pb_grpc.DraftServiceServicer):
 
     async def _propose(self, request, context):
         rt = await self.host.runtime_or_abort(context)
+        if request.branches.width:
+            return await self._branches(rt, request, context)
         try:
             call = ProposeCall.from_wire(request, rt.info.vocab_size)
         except ValueError as exc:
@@ -40,6 +43,18 @@ class DraftServicer(CommonServicerMixin, pb_grpc.DraftServiceServicer):
             cache_len=proposal.cache_len,
             compute_ms=(work.compute_s * 1000.0) if work is not None else 0.0,
         )
+
+    async def _branches(self, rt, request, context):
+        try:
+            call = BranchCall.from_wire(request, rt.info.vocab_size)
+            future, work = rt.propose_branches(call)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        proposal = await run_call(context, future, work)
+        return pb.DraftResponse(
+            branches=[pb.BranchBlock(accepted=b.accepted, token=b.token, tokens=b.tokens)
+                      for b in proposal.branches],
+            cache_len=proposal.cache_len, compute_ms=work.compute_s * 1000.0)
 
     async def Propose(self, request, context):
         return await self._propose(request, context)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from specdec.serving.branching import MAX_BRANCHES
+
 # The longest block adaptive k chooses (a request's fixed k may go to specdec.config.MAX_K).
 ADAPTIVE_K_MAX = 8
 PROBE_EVERY = 16  # rounds at k = 0 between probes of the acceptance
@@ -49,21 +51,26 @@ class Costs:
     target_call_ms: float = 1.0
     draft_call_ms: float = 1.0
     target_batch: float = 1.0
+    draft_forward: list[float] = dataclasses.field(default_factory=list)  # calibrated D(m)
 
     @classmethod
     def calibrated(cls, target_ms: list[float], draft_ms: list[float]) -> "Costs":
-        return cls(list(target_ms) or [1.0] * (ADAPTIVE_K_MAX + 1), draft_ms[0] if draft_ms else 0.0)
+        return cls(list(target_ms) or [1.0] * (ADAPTIVE_K_MAX + 1),
+                   draft_ms[0] if draft_ms else 0.0, draft_forward=list(draft_ms))
 
     def forward_ms(self, tokens: float) -> float:
         """Calibrated T(m) of one target forward over ``tokens`` new tokens."""
-        t, n = self.target_ms, len(self.target_ms)
-        if tokens <= n:
-            return t[max(int(round(tokens)), 1) - 1]
-        # Past the curve, at the slope of its upper half (a small pass is all overhead; the
-        # cost per token grows as the pass grows).
-        half = n // 2
-        slope = (t[-1] - t[half]) / (n - 1 - half) if n - 1 > half else t[0]
-        return t[-1] + slope * (tokens - n)
+        return _curve(self.target_ms, tokens)
+
+    def branch_call_ms(self, k: int, width: int, depth: int) -> float:
+        """A speculation-cache call (draft side): one pass over the block's k + 1 verdict rows,
+        then ``depth`` passes over (k + 1) * width branches at once."""
+        if not self.draft_forward:
+            return (1 + depth) * self.draft_step_ms + self.draft_call_ms
+        scale = self.draft_step_ms / self.draft_forward[0] if self.draft_forward[0] else 1.0
+        return scale * (_curve(self.draft_forward, k + 1)
+                        + depth * _curve(self.draft_forward, (k + 1) * width)) \
+            + self.draft_call_ms
 
     def verify_ms(self, k: int) -> float:
         """A verify call for a block of k."""
@@ -73,6 +80,17 @@ class Costs:
     def draft_ms(self, k: int) -> float:
         """A draft call for k tokens (one step each)."""
         return k * self.draft_step_ms + self.draft_call_ms
+
+
+def _curve(t: list[float], tokens: float) -> float:
+    """A calibrated forward-cost curve t[m - 1] = T(m), extended past its end at the slope of
+    its upper half (a small pass is all overhead; the cost per token grows as the pass grows)."""
+    n = len(t)
+    if tokens <= n:
+        return t[max(int(round(tokens)), 1) - 1]
+    half = n // 2
+    slope = (t[-1] - t[half]) / (n - 1 - half) if n - 1 > half else t[0]
+    return t[-1] + slope * (tokens - n)
 
 
 class LiveCosts(Costs):
@@ -94,7 +112,7 @@ class LiveCosts(Costs):
                 expected, 1e-6)
             self.target_batch = d * self.target_batch + (1 - d) * batch
             self.target_call_ms = d * self.target_call_ms + (1 - d) * beyond
-        elif rec.tokens > 0:
+        elif rec.tokens > 0 and not rec.branches:  # (a branch call is costed apart)
             # A draft call runs one pass per token (the first also takes the committed tokens).
             self.draft_step_ms = d * self.draft_step_ms + (1 - d) * rec.compute_ms / rec.tokens
             self.draft_call_ms = d * self.draft_call_ms + (1 - d) * beyond
@@ -116,6 +134,11 @@ class KController:
         self.acc = prior_a * prior_weight
         self.rej = (1.0 - prior_a) * prior_weight
         self.zero_rounds = 0
+        # The speculation cache (pipelined rounds with branches): the share of verdicts it had
+        # a branch for, decayed, and its current width (candidates per acceptance length).
+        self.branching = False
+        self.cache_hit = 0.5
+        self.width = 1
 
     @property
     def acceptance(self) -> float:
@@ -131,6 +154,10 @@ class KController:
         # Geometric model: a block of k yields one observed rejection unless all were kept.
         self.rej = self.rej * self.decay ** k + (1.0 if accepted < k else 0.0)
 
+    def observe_cache(self, hit: bool) -> None:
+        """Record a pipelined round's verdict: did the speculation cache hold its branch?"""
+        self.cache_hit = self.decay * self.cache_hit + (1.0 - self.decay) * float(hit)
+
     def round_ms(self, k: int, a: float) -> float:
         verify = self.costs.verify_ms(k)
         if k == 0:
@@ -138,6 +165,9 @@ class KController:
         draft = self.costs.draft_ms(k)
         if not self.pipelined:
             return draft + verify
+        if self.branching:  # a hit costs the longer of the verify and the branch call
+            behind = self.costs.branch_call_ms(k, self.width, k)
+            return self.cache_hit * max(verify, behind) + (1.0 - self.cache_hit) * (draft + verify)
         hit = a ** (k + 1)
         return hit * max(verify, draft + self.costs.draft_step_ms) + (1.0 - hit) * (draft + verify)
 
@@ -191,3 +221,32 @@ class LookupSizer:
 
     def observe(self, accepted: int) -> None:
         self.mean_accepted = self.decay * self.mean_accepted + (1 - self.decay) * accepted
+
+
+MAX_WIDTH = 4  # candidates per acceptance length the speculation cache drafts at most
+
+
+class BranchWidth:
+    """The speculation cache's width: the most candidates per acceptance length whose draft
+    call still hides behind the verify pass. First from the costs (calibrated, then live), then
+    corrected by what branch calls measure against that prediction (decayed), so a draft that
+    is slower than calibrated, shares its cores or batches other sessions narrows the cache."""
+
+    def __init__(self, costs: Costs, max_width: int = MAX_WIDTH, decay: float = 0.8):
+        self.costs = costs
+        self.max_width = max_width
+        self.decay = decay
+        self.scale = 1.0  # measured / predicted branch-call time
+
+    def choose(self, k: int, depth: int) -> int:
+        verify = self.costs.verify_ms(k)
+        width = 1
+        for w in range(2, min(self.max_width, MAX_BRANCHES // (k + 1)) + 1):
+            if self.costs.branch_call_ms(k, w, depth) * self.scale <= verify:
+                width = w
+        return width
+
+    def observe(self, k: int, width: int, depth: int, measured_ms: float) -> None:
+        predicted = self.costs.branch_call_ms(k, width, depth)
+        if predicted > 0:
+            self.scale = self.decay * self.scale + (1 - self.decay) * measured_ms / predicted

@@ -29,6 +29,9 @@ class GenerationRequest:
     logprobs: int | None = None
     # Also the log-probability of each prompt token but the first (prompt scoring, `echo`)
     prompt_logprobs: bool = False
+    # Pipelined: draft behind each verify for every likely verdict (the speculation cache)
+    # where the request allows it; False: only the single guess past the block.
+    branches: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -102,7 +105,8 @@ class GenerationStats:
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     pipeline_hits: int = 0  # rounds whose block was drafted during the previous verify
-    pipeline_misses: int = 0  # speculative blocks dropped (rejection or wrong guess)
+    pipeline_misses: int = 0  # verdicts the pipelined draft had no block for
+    branches_drafted: int = 0  # speculation-cache branches drafted (hits included)
     re_prefills: int = 0
     tokens_without_draft: int = 0  # emitted while the draft was down or failing
     draft_failures: int = 0
@@ -227,6 +231,9 @@ class GenerationResult:
             if s.lookup_drafted else 0.0,
             pipeline_hits=s.pipeline_hits,
             pipeline_misses=s.pipeline_misses,
+            cache_branches=s.branches_drafted,
+            wasted_branches=max(0, s.branches_drafted - (s.pipeline_hits if s.branches_drafted
+                                                         else 0)),
             re_prefills=s.re_prefills,
             tokens_without_draft=s.tokens_without_draft,
             accepted_per_position=s.accepted_per_position,

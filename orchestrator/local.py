@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +40,10 @@ class ServiceProcess:
     """One service in a child process; stopped by its process id (never by name)."""
 
     def __init__(self, role: str, args: list[str], env: dict | None = None,
-                 log_path: str | None = None, port: int = 0):
+                 log_path: str | None = None, port: int = 0,
+                 cores: list[int] | None = None):
+        """``cores``: run the service on these CPU cores only (taskset), e.g. to give draft
+        and target disjoint hardware on one machine."""
         self.role = role
         self._tmp = tempfile.mkdtemp(prefix=f"specdec-{role}-")
         self.port_file = os.path.join(self._tmp, "port")
@@ -47,6 +51,10 @@ class ServiceProcess:
         module = "draft_service" if role == "draft" else "target_service"
         cmd = [sys.executable, "-m", module, "--port", str(port), "--port-file", self.port_file,
                *args]
+        if cores is not None:
+            if not shutil.which("taskset"):
+                raise RuntimeError("pinning a service to cores needs taskset (util-linux)")
+            cmd = ["taskset", "-c", ",".join(map(str, cores)), *cmd]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT,

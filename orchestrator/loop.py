@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
+from orchestrator.adaptive import BranchWidth, Costs, KController, LiveCosts, LookupSizer
 from orchestrator.generation import (
     Block,
     Delta,
@@ -41,6 +41,7 @@ from orchestrator.service_clients import (
 )
 from orchestrator.text import TextStream
 from specdec.config import MAX_K, SamplingParams
+from specdec.serving.branching import MAX_BRANCHES
 from specdec.serving.drafting import lookup
 from specdec.wire import specdec_pb2 as pb
 
@@ -111,6 +112,16 @@ class Orchestrator:
         return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
                            pipelined=req.mode == "pipelined", costs=costs)
 
+    def _branch_widths(self, req: GenerationRequest) -> BranchWidth | None:
+        """The speculation cache's width control, for the requests that may branch: greedy
+        or coupled without penalties (a branch is then exactly the block the draft would
+        draft after its verdict), over a model draft, unless the request turned it off."""
+        s = req.sampling
+        if not req.branches or not s.drafter_invariant or s.penalized or \
+                self.draft is None or (self.draft.info and self.draft.info.drafter == "ngram"):
+            return None
+        return BranchWidth(self._costs(req))
+
     def _lookup_sizer(self, req: GenerationRequest) -> LookupSizer:
         return LookupSizer(self._costs(req), LOOKUP_MAX_TOKENS)
 
@@ -141,7 +152,10 @@ class Orchestrator:
         history = History(req.prompt_ids)
         out = _Output(self.tokenizer, req, self.eos_ids)
         drafting = _Drafting(self, req, session_id, stats)
-        pipeline = _Pipeline(drafting) if req.mode == "pipelined" and self.draft else None
+        pipeline = _Pipeline(drafting, self._branch_widths(req)) \
+            if req.mode == "pipelined" and self.draft else None
+        if pipeline is not None and pipeline.widths is not None and drafting.k_ctl is not None:
+            drafting.k_ctl.branching = True  # k is costed with the cache's hit rate
         prompt_logprobs: list[TokenLogprob] = []
         started = time.perf_counter()
         carried: Block | None = None  # the next block, drafted during the last verify
@@ -203,14 +217,18 @@ class Orchestrator:
                 stats.calls.append(CallRecord("draft", t, t, 0.0, 0, "cancelled"))
             raise
         except ServiceError as exc:
-            stats.draft_failures += 1
-            if not exc.request_fault:  # the service failed, not this request's own call:
-                self.draft.mark_failed()  # every generation goes without it for a while
-            log.warning("request %s: draft failed (%s); continuing without it", req.request_id, exc)
+            self._draft_failed(req, stats, exc)
             return None
         self._record(stats, rec)
         return Block(list(resp.tokens), [(list(d.ids), list(d.probs)) for d in resp.dists],
                      source=source)
+
+    def _draft_failed(self, req: GenerationRequest, stats: GenerationStats,
+                      exc: ServiceError) -> None:
+        stats.draft_failures += 1
+        if not exc.request_fault:  # the service failed, not this request's own call:
+            self.draft.mark_failed()  # every generation goes without it for a while
+        log.warning("request %s: draft failed (%s); continuing without it", req.request_id, exc)
 
     async def _close(self, session_id: str) -> None:
         closers = [self.target.close_session(session_id)]
@@ -265,6 +283,19 @@ class _Drafting:
         return await self.orch._draft(self.session_id, history, extra, k, self.req,
                                       self.stats, source)
 
+    async def draft_branches(self, history: History, block: list[int], width: int,
+                             depth: int) -> tuple[list, CallRecord] | None:
+        """The speculation cache's branches behind ``block``, or None when the draft failed."""
+        orch, req = self.orch, self.req
+        try:
+            resp, rec = await orch.draft.propose_branches(self.session_id, history, block, width,
+                                                          depth, req.sampling, req.request_id)
+        except ServiceError as exc:
+            orch._draft_failed(req, self.stats, exc)
+            return None
+        orch._record(self.stats, rec)
+        return list(resp.branches), rec
+
     def learn(self, rnd: Round) -> None:
         """The verdict teaches whoever drafted the block (the draft model's acceptance is
         learnt from its own blocks only)."""
@@ -275,14 +306,22 @@ class _Drafting:
 
 
 class _Pipeline:
-    """Pipelining: while the target verifies a block, the draft drafts past it, its guess of
-    the target's token first. The next round takes that block at once when the verdict
-    accepts the whole block and the guess was the target's token; otherwise it is cancelled
-    and the draft rolls back to the committed tokens (its next call's prefix says so)."""
+    """Pipelining: while the target verifies a block, the draft drafts the next one.
 
-    def __init__(self, drafting: _Drafting):
+    With the speculation cache (greedy or coupled requests without penalties, a model draft)
+    it drafts a branch for each likely verdict (specdec.serving.branching), as wide as hides
+    behind the verify pass; the next round takes the verdict's branch at once if there is one.
+    Otherwise it drafts past the block, its guess of the target's token first, kept only when
+    the verdict accepts the whole block and the guess was right (else cancelled; the draft
+    rolls back to the committed tokens, as its next call's prefix says).
+    """
+
+    def __init__(self, drafting: _Drafting, widths: BranchWidth | None):
         self.drafting = drafting
+        self.widths = widths  # None: no speculation cache for this request
         self.task: asyncio.Task | None = None
+        self.branching = False  # the call in flight is a branch call
+        self.shape = (0, 0, 0)  # (k, width, depth) of the branch call in flight
 
     def draft_behind(self, history: History, block: Block, remaining: int) -> None:
         if not (block.tokens or block.source == "first"):
@@ -290,17 +329,29 @@ class _Pipeline:
         room = remaining - len(block.tokens) - 1
         if room <= 0:
             return
-        # The draft also drafts its guess of the target's token: k_next + 1 <= MAX_K.
-        k_next = min(self.drafting.k_ctl.next_k(after_full_accept=True), MAX_K - 1, room - 1)
-        if k_next > 0:
+        # The draft also drafts its guess of the target's token: depth + 1 <= MAX_K.
+        depth = min(self.drafting.k_ctl.next_k(after_full_accept=True), MAX_K - 1, room - 1)
+        if depth <= 0:
+            return
+        k = len(block.tokens)
+        self.branching = self.widths is not None and k + 1 <= MAX_BRANCHES
+        if not self.branching:  # plain pipelining: the guess and the block past it
             self.task = asyncio.create_task(
-                self.drafting.draft_block(history, block.tokens, k_next + 1, "pipelined"))
+                self.drafting.draft_block(history, block.tokens, depth + 1, "pipelined"))
+            return
+        width = self.widths.choose(k, depth)
+        self.drafting.k_ctl.width = width
+        self.shape = (k, width, depth)
+        self.task = asyncio.create_task(
+            self.drafting.draft_branches(history, block.tokens, width, depth))
 
     async def next_block(self, rnd: Round) -> Block | None:
-        """The block drafted behind ``rnd`` if its verdict keeps it, else None."""
+        """The block drafted behind ``rnd`` for its verdict, else None."""
         if self.task is None:
             return None
         task, self.task = self.task, None
+        if self.branching:
+            return await self._branch_for(rnd, task)
         stats = self.drafting.stats
         if rnd.full_accept:
             ahead = await task
@@ -313,6 +364,24 @@ class _Pipeline:
         stats.pipeline_hits += 1
         return Block(ahead.tokens[1:], ahead.dists[1:], source="pipelined") \
             if len(ahead.tokens) > 1 else None
+
+    async def _branch_for(self, rnd: Round, task: asyncio.Task) -> Block | None:
+        stats = self.drafting.stats
+        called = await task  # (branches, call record), or None: the draft failed
+        branches = called[0] if called is not None else []
+        if called is not None:
+            rec = called[1]
+            self.widths.observe(*self.shape, (rec.end - rec.start) * 1000.0)
+        stats.branches_drafted += len(branches)
+        hit = next((b for b in branches
+                    if b.accepted == rnd.accepted and b.token == rnd.next_token), None)
+        if called is not None:
+            self.drafting.k_ctl.observe_cache(hit is not None)
+        if hit is None or not hit.tokens:
+            stats.pipeline_misses += 1
+            return None
+        stats.pipeline_hits += 1
+        return Block(list(hit.tokens), source="pipelined")
 
     def cancel(self) -> None:
         if self.task is not None:

@@ -90,6 +90,7 @@ class CallRecord:
     re_prefilled: bool = False  # the service had lost the session; the history was re-sent
     batch_size: int = 1  # sessions that shared the service's forward pass
     sent_tokens: int = 0  # committed tokens the call appended to the service's cache
+    branches: int = 0  # a speculation-cache call: the branches it drafted
 
 
 class Backoff:
@@ -157,11 +158,15 @@ class ServiceClient:
                     next_note += 30.0
             await asyncio.sleep(0.2)
 
-    def ref(self, session_id: str, history: History) -> tuple[pb.SessionRef, list[int]]:
-        """The SessionRef for the next call and the tokens it must append."""
+    def ref(self, session_id: str, history: History, resend_from: int | None = None,
+            ) -> tuple[pb.SessionRef, list[int]]:
+        """The SessionRef for the next call and the tokens it must append (at least the last
+        one, and everything from ``resend_from`` on when given)."""
         known = self.known.get(session_id, [])
         common = 0
         limit = min(len(known), len(history) - 1)  # always re-send at least the last token
+        if resend_from is not None:
+            limit = min(limit, resend_from)
         while common < limit and known[common] == history.tokens[common]:
             common += 1
         ref = pb.SessionRef(session_id=session_id, prefix_len=common,
@@ -249,14 +254,47 @@ class DraftClient(ServiceClient):
         Unary so that a speculative call can be cancelled; re-prefills once on a lost session.
         """
         seq = History(history.tokens + extra) if extra else history
+
+        def request(ref, tokens):
+            return pb.DraftRequest(session=ref, tokens=tokens, k=k,
+                                   sampling=sampling.to_wire(pb), request_id=request_id)
+
+        resp, rec = await self._propose(session_id, seq, request,
+                                        lambda r: seq.tokens + list(r.tokens[:-1]))
+        rec.tokens = len(resp.tokens)
+        return resp, rec
+
+    async def propose_branches(self, session_id: str, history: History, block: list[int],
+                               width: int, depth: int, sampling: SamplingParams,
+                               request_id: str = "") -> tuple[pb.DraftResponse, CallRecord]:
+        """The speculation cache: while the target verifies ``block`` after ``history``, a
+        block of ``depth`` for each of the likeliest verdicts (``width`` candidates for the
+        target's token per acceptance length)."""
+        seq = History(history.tokens + block)
+        spec = pb.BranchSpec(block_len=len(block), width=width, depth=depth)
+
+        def request(ref, tokens):
+            return pb.DraftRequest(session=ref, tokens=tokens, k=depth, branches=spec,
+                                   sampling=sampling.to_wire(pb), request_id=request_id)
+
+        # the history's last token is fed again: its logits give the verdict at j = 0
+        resp, rec = await self._propose(session_id, seq, request, lambda r: list(seq.tokens),
+                                        resend_from=len(history) - 1)
+        rec.tokens = sum(len(b.tokens) for b in resp.branches)
+        rec.branches = len(resp.branches)
+        return resp, rec
+
+    async def _propose(self, session_id: str, seq: History, request, known_after,
+                       resend_from: int | None = None) -> tuple[pb.DraftResponse, CallRecord]:
+        """One Propose call with what both kinds share: the session's prefix, one re-prefill
+        on a lost session, and what the service has seen afterwards (``known_after(resp)``;
+        after a cancelled call only the prefix is known, unless a later call said more)."""
         ticket = self._tickets[session_id] = self._tickets.get(session_id, 0) + 1
         for attempt in (0, 1):
-            ref, tokens = self.ref(session_id, seq)
-            req = pb.DraftRequest(session=ref, tokens=tokens, k=k,
-                                  sampling=sampling.to_wire(pb), request_id=request_id)
+            ref, tokens = self.ref(session_id, seq, resend_from)
             start = time.perf_counter()
             try:
-                resp = await self.stub.Propose(req, timeout=self.draft_timeout_s)
+                resp = await self.stub.Propose(request(ref, tokens), timeout=self.draft_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 err = self._error(exc)
                 self.forget(session_id)
@@ -265,15 +303,14 @@ class DraftClient(ServiceClient):
                     continue
                 raise err from None
             except asyncio.CancelledError:
-                # The draft may have truncated to the prefix and appended part of the block:
-                # only the prefix is still known (unless a later call already said more).
+                # The draft may have truncated to the prefix and appended part of the block.
                 if self._tickets.get(session_id) == ticket:
                     self.known[session_id] = seq.tokens[: ref.prefix_len]
                 raise
             end = time.perf_counter()
             if self._tickets.get(session_id) == ticket:
-                self.known[session_id] = seq.tokens + list(resp.tokens[:-1])
-            return resp, CallRecord("draft", start, end, resp.compute_ms, len(resp.tokens),
+                self.known[session_id] = known_after(resp)
+            return resp, CallRecord("draft", start, end, resp.compute_ms, 0,
                                     re_prefilled=attempt > 0, sent_tokens=len(tokens))
         raise AssertionError("unreachable")
 

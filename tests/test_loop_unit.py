@@ -113,18 +113,42 @@ class FakeDraft:
         return pb.DraftResponse(tokens=out), CallRecord("draft", start, time.perf_counter(),
                                                         0.5, k)
 
+    def candidates(self, seq: list[int], width: int, exclude: int | None) -> list[int]:
+        """This draft's ranking of the next token after ``seq``: its own choice first, then
+        the one below it (the target's choice where the draft errs), then above."""
+        first = self.continuation(seq, 1)[0]
+        ranked = [(first + d) % (VOCAB - 1) for d in (0, -1, 1, -2, 2)][: width + 1]
+        return [t for t in ranked if t != exclude][:width]
+
+    async def propose_branches(self, session_id, history, block, width, depth, sampling,
+                               request_id=""):
+        start = time.perf_counter()
+        self.calls += 1
+        if self.calls in self.fail_calls:
+            raise ServiceError("draft", grpc.StatusCode.UNAVAILABLE, "down for the test")
+        await asyncio.sleep(0.001)
+        seq, branches = list(history.tokens), []
+        for j in range(len(block) + 1):
+            exclude = block[j] if j < len(block) else None
+            for t in self.candidates(seq + block[:j], width, exclude):
+                branches.append(pb.BranchBlock(
+                    accepted=j, token=t, tokens=self.continuation(seq + block[:j] + [t], depth)))
+        rec = CallRecord("draft", start, time.perf_counter(), 0.5,
+                         sum(len(b.tokens) for b in branches), branches=len(branches))
+        return pb.DraftResponse(branches=branches), rec
+
     async def close_session(self, session_id):
         pass
 
 
 def generate(mode: str, k: int | None = None, draft=None, target=None, max_new: int = 40,
-             prompt=(5, 11, 23)):
+             prompt=(5, 11, 23), branches: bool = True):
     target = target or FakeTarget()
     target.prompt_len = len(prompt)
     draft = draft if draft is not None else FakeDraft()
     orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
     req = GenerationRequest(list(prompt), max_new, SamplingParams(), [], mode, k,
-                            prompt_lookup=False)
+                            prompt_lookup=False, branches=branches)
     return asyncio.run(orch.generate(req))
 
 
@@ -144,7 +168,7 @@ def test_every_mode_emits_the_targets_tokens(mode, k):
 
 def test_pipelined_rounds_hit_and_miss_with_a_poor_draft_and_cancel_the_misses():
     target, draft = FakeTarget(), FakeDraft()
-    result = generate("pipelined", 3, max_new=80, target=target, draft=draft)
+    result = generate("pipelined", 3, max_new=80, target=target, draft=draft, branches=False)
     # Every verified block is the draft's continuation of the committed history: a block
     # drafted behind a verify is kept only when the verdict is what it was drafted after.
     for history, block in target.verified:
@@ -178,3 +202,37 @@ def test_the_length_limit_holds_inside_an_accepted_block():
     result = generate("spec", 4, max_new=7)
     assert result.token_ids == target_text([5, 11, 23], 7)
     assert result.finish_reason == "length"
+
+
+def test_the_speculation_cache_serves_the_verdicts_it_drafted_for():
+    target, draft = FakeTarget(), FakeDraft(wrong_every=3)
+    result = generate("pipelined", 3, max_new=80, target=target, draft=draft)
+    s = result.stats
+    assert result.token_ids == target_text([5, 11, 23], 80)
+    # every verified block is the draft's continuation of the committed history
+    for history, block in target.verified:
+        assert block == draft.continuation(history, len(block))
+    # the fake draft's second choice is the target's token at each of its mistakes, so the
+    # cache (width >= 1 per acceptance length) holds nearly every verdict
+    assert s.branches_drafted > s.pipeline_hits > 2 * s.pipeline_misses
+    plain = generate("pipelined", 3, max_new=80, draft=FakeDraft(wrong_every=3),
+                     branches=False).stats
+    assert s.pipeline_hits > plain.pipeline_hits
+    assert plain.branches_drafted == 0
+
+
+def test_the_cache_width_follows_the_costs_and_narrows_when_calls_run_long():
+    from orchestrator.adaptive import BranchWidth, Costs
+
+    costs = Costs(target_ms=[30.0 + 2 * i for i in range(9)], draft_step_ms=2.0,
+                  draft_forward=[2.0 + 0.25 * i for i in range(16)], draft_call_ms=0.5)
+    widths = BranchWidth(costs)
+    wide = widths.choose(3, 3)
+    assert wide == 4  # 4 * (k + 1) = 16 branches hide behind a 36 ms verify
+    assert costs.branch_call_ms(3, wide, 3) <= costs.verify_ms(3)
+    for _ in range(12):  # the calls take 3x what the costs predict (a busy draft)
+        widths.observe(3, wide, 3, 3 * costs.branch_call_ms(3, wide, 3))
+    assert widths.choose(3, 3) < wide
+    slow = BranchWidth(Costs(target_ms=[5.0] * 9, draft_step_ms=2.0,
+                             draft_forward=[2.0 + 0.25 * i for i in range(16)]))
+    assert slow.choose(3, 3) == 1  # nothing wider hides behind a 5 ms verify

@@ -55,6 +55,14 @@ class Metrics:
         self.num_accepted_tokens_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos",
             "Accepted draft tokens by their position in the block (0 = first).", ["position"])
+        self.pipeline_hits = counter(
+            "pipeline_hits", "Pipelined rounds whose block was drafted during the previous "
+            "verify (a speculation-cache hit, or plain pipelining's right guess).")
+        self.pipeline_misses = counter(
+            "pipeline_misses", "Pipelined verdicts the draft had drafted no block for.")
+        self.cache_branches = counter(
+            "speculation_cache_branches", "Branches the speculation cache drafted (a hit "
+            "uses one; the others are wasted draft work).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter(
             "generation_tokens", "Tokens emitted to clients (completion tokens).")
@@ -100,6 +108,9 @@ class Metrics:
         self._l(self.num_accepted_tokens).inc(s.accepted_tokens)
         for pos, n in enumerate(s.accepted_per_position):
             self._l(self.num_accepted_tokens_per_pos, position=str(pos)).inc(n)
+        self._l(self.pipeline_hits).inc(s.pipeline_hits)
+        self._l(self.pipeline_misses).inc(s.pipeline_misses)
+        self._l(self.cache_branches).inc(s.branches_drafted)
         n_out = len(result.token_ids)
         self._l(self.prompt_tokens).inc(result.prompt_tokens)
         self._l(self.generation_tokens).inc(n_out)

@@ -20,7 +20,8 @@ def specdec_stats(result) -> dict:
     out = {k: s[k] for k in ("mode", "rounds", "draft_tokens", "accepted_tokens",
                              "acceptance_rate", "mean_tokens_per_round", "k_mean", "ttft_s",
                              "wall_s", "tokens_per_s", "overlap_efficiency", "pipeline_hits",
-                             "pipeline_misses", "re_prefills", "accepted_per_position")}
+                             "pipeline_misses", "cache_branches", "wasted_branches",
+                             "re_prefills", "accepted_per_position")}
     out["num_drafts"] = result.stats.num_drafts
     return out
 

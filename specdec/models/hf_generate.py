@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -14,12 +15,14 @@ class HFGenerate:
     specdec uses), or with prompt lookup: the baselines of ``specdec bench`` and of the demo's
     side-by-side line."""
 
-    def __init__(self, target: str, draft: str | None, threads: int):
+    def __init__(self, target: str, draft: str | None, threads: int,
+                 cores: list[int] | None = None):
         from specdec.models import draft_model
         from specdec.models.hub import load_hf_model
         from specdec.models.loading import resolve_draft_spec
 
         self.threads = threads
+        self.cores = cores  # run on these CPU cores only (a split-topology baseline)
         self.model, self.tokenizer = load_hf_model(target)
         self.assistant = None
         if draft is not None and draft != "ngram":
@@ -41,8 +44,15 @@ class HFGenerate:
             kwargs["assistant_model"] = self.assistant
         elif system == "hf-prompt-lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(ids, **kwargs)
-        wall = time.perf_counter() - t0
+        before = os.sched_getaffinity(0) if self.cores else None
+        if self.cores:
+            os.sched_setaffinity(0, self.cores)
+        try:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = self.model.generate(ids, **kwargs)
+            wall = time.perf_counter() - t0
+        finally:
+            if before is not None:
+                os.sched_setaffinity(0, before)
         return out[0, len(prompt_ids):].tolist(), wall

@@ -84,6 +84,21 @@ class KVCache:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
 
+    def fork(self, length: int) -> "KVCache":
+        """A new cache holding a copy of this one's first ``length`` positions (a branch of
+        the speculation cache), with room for a short continuation."""
+        assert 0 <= length <= self.length, (length, self.length)
+        fork = KVCache.__new__(KVCache)
+        fork.arch, fork.length = self.arch, length
+        capacity = min(max(length + self.GRANULE, self.GRANULE), max(self.arch.max_context,
+                                                                       length))
+        shape = (self.arch.num_layers, self.arch.num_kv_heads, capacity, self.arch.head_dim)
+        fork.k = torch.empty(shape, device=self.k.device, dtype=self.k.dtype)
+        fork.v = torch.empty(shape, device=self.k.device, dtype=self.k.dtype)
+        fork.k[:, :, :length] = self.k[:, :, :length]
+        fork.v[:, :, :length] = self.v[:, :, :length]
+        return fork
+
 
 class LlamaEngine:
     """Runs a Llama-family model over ragged batches of sessions.

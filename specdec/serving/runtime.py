@@ -15,6 +15,7 @@ import statistics
 import torch
 
 from specdec.config import ServiceConfig
+from specdec.serving.branching import BranchCall, BranchWork
 from specdec.serving.drafting import DraftWork, NgramDrafter, Proposal, ProposeCall
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.scheduler import BatchScheduler
@@ -129,6 +130,15 @@ class DraftRuntime(_Runtime):
             self.store.enforce_limits([call.session_id])
             return future, None
         work = DraftWork(call, self.engine, self.store, self.q_top_k)
+        return self.scheduler.submit(work), work
+
+    def propose_branches(self, call: BranchCall) -> tuple[concurrent.futures.Future, BranchWork]:
+        """Queue a branch call (the speculation cache); the future resolves to a
+        BranchProposal. The n-gram drafter has no distributions to branch on."""
+        if self.engine is None:
+            raise ValueError("branches need a draft model (this service drafts by n-gram lookup)")
+        self.calls += 1
+        work = BranchWork(call, self.engine, self.store, self.q_top_k)
         return self.scheduler.submit(work), work
 
 

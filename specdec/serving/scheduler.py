@@ -43,14 +43,17 @@ class Work(Protocol):
     def start(self) -> None:
         """Resolve the session and check the call (raises to fail the call)."""
 
-    def next_piece(self, budget: int) -> Piece | None:
-        """The next piece, at most ``budget`` tokens if it is prefill; None = wait a pass.
+    def next_piece(self, budget: int) -> Piece | list[Piece] | None:
+        """The next piece, at most ``budget`` tokens if it is prefill; None = wait a pass. A
+        list of decode pieces (each on a cache of its own) takes part in the pass as one
+        piece each (the speculation cache's branches).
 
         May be asked more than once per pass; only the last piece given is the one consumed.
         """
 
-    def consume(self, logits: torch.Tensor) -> bool:
-        """Take the piece's logits [num_logits, vocab_out]; return True when the work is done."""
+    def consume(self, logits: torch.Tensor | list[torch.Tensor]) -> bool:
+        """Take the piece's logits [num_logits, vocab_out] (a list, one per piece, when
+        next_piece gave a list); return True when the work is done."""
 
     def result(self):
         """The call's answer, once done."""
@@ -165,7 +168,7 @@ class BatchScheduler:
                     log.exception("after_pass hook failed")
 
     def _step(self, active: list[_Entry]) -> None:
-        pieces: list[tuple[_Entry, Piece]] = []
+        pieces: list[tuple[_Entry, list[Piece]]] = []  # per work: its piece(s) this pass
         budget = self.token_budget
         # Decoding pieces first (they are small and someone is waiting on each), then prefill.
         for want_prefill in (False, True):
@@ -180,22 +183,23 @@ class BatchScheduler:
                 except Exception as exc:
                     _settle(entry.future, exc=exc)
                     continue
-                if piece is None or piece.prefill != want_prefill:
+                if piece is None:
                     continue
-                if piece.prefill:
+                group = piece if isinstance(piece, list) else [piece]
+                if not group or any(p.prefill != want_prefill for p in group):
+                    continue
+                if want_prefill:
                     if budget <= 0 and pieces:
                         continue
-                    budget -= int(piece.tokens.shape[0])
-                pieces.append((entry, piece))
+                    budget -= sum(int(p.tokens.shape[0]) for p in group)
+                pieces.append((entry, group) if isinstance(piece, list) else (entry, piece))
         if not pieces:
             return
+        flat = [p for _, ps in pieces for p in (ps if isinstance(ps, list) else [ps])]
         started = time.perf_counter()
         try:
-            logits = self.engine.forward(
-                [p.cache for _, p in pieces],
-                [p.tokens for _, p in pieces],
-                [p.num_logits for _, p in pieces],
-            )
+            logits = self.engine.forward([p.cache for p in flat], [p.tokens for p in flat],
+                                         [p.num_logits for p in flat])
         except Exception as exc:
             log.exception("forward pass failed")
             for entry, _ in pieces:
@@ -203,9 +207,13 @@ class BatchScheduler:
             return
         elapsed = time.perf_counter() - started
         self.forward_passes += 1
-        for (entry, _), lg in zip(pieces, logits):
+        at = 0
+        for entry, ps in pieces:
+            n = len(ps) if isinstance(ps, list) else 1
+            lg = logits[at:at + n] if isinstance(ps, list) else logits[at]
+            at += n
             entry.work.compute_s += elapsed
-            entry.work.batch_size = len(pieces)
+            entry.work.batch_size = len(flat)
             if entry.future.done():  # cancelled while its piece ran
                 continue
             try:

@@ -57,30 +57,54 @@ class SessionRef(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session", "tokens", "k", "sampling", "request_id")
+    __slots__ = ("session", "tokens", "k", "sampling", "request_id", "branches")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
     sampling: SamplingParams
     request_id: str
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    branches: BranchSpec
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., branches: _Optional[_Union[BranchSpec, _Mapping]] = ...) -> None: ...
+
+class BranchSpec(_message.Message):
+    __slots__ = ("block_len", "width", "depth")
+    BLOCK_LEN_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    block_len: int
+    width: int
+    depth: int
+    def __init__(self, block_len: _Optional[int] = ..., width: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
+
+class BranchBlock(_message.Message):
+    __slots__ = ("accepted", "token", "tokens")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    token: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, accepted: _Optional[int] = ..., token: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("tokens", "dists", "cache_len", "compute_ms")
+    __slots__ = ("tokens", "dists", "cache_len", "compute_ms", "branches")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DISTS_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     dists: _containers.RepeatedCompositeFieldContainer[SparseDist]
     cache_len: int
     compute_ms: float
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ...) -> None: ...
+    branches: _containers.RepeatedCompositeFieldContainer[BranchBlock]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., branches: _Optional[_Iterable[_Union[BranchBlock, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("session", "tokens", "draft_tokens", "draft_dists", "sampling", "request_id", "logprobs", "top_logprobs", "prompt_logprobs")

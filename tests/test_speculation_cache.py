@@ -1,0 +1,161 @@
+"""The speculation cache (pipelined rounds draft a branch for each likely verdict): every branch
+is exactly the block the draft drafts after that verdict, the text stays the target's (greedy
+and coupled-sampled), hits / misses / wasted branches are counted, bad branch requests get
+INVALID_ARGUMENT, and a cancelled branch call leaves the session as a fresh one would be."""
+
+import asyncio
+
+import grpc
+import pytest
+from conftest import TOKEN_PROMPTS, generate_on, run
+
+from orchestrator.service_clients import History
+from specdec.config import SamplingParams
+from specdec.serving.branching import BranchCall
+from specdec.serving.drafting import ProposeCall
+from specdec.serving.session import rolling_hash
+from specdec.wire import specdec_pb2 as pb
+from specdec.wire import specdec_pb2_grpc as pb_grpc
+
+GREEDY = SamplingParams()
+COUPLED = SamplingParams(temperature=0.9, seed=11)
+
+
+def _propose(rt, session_id, tokens, k, sampling, prefix: list[int] | None = None):
+    prefix = prefix or []
+    call = ProposeCall(session_id, len(prefix), rolling_hash(prefix), tokens, k, sampling)
+    future, _ = rt.propose(call)
+    return future.result(60).tokens
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, COUPLED], ids=["greedy", "coupled"])
+def test_every_branch_is_the_block_the_draft_drafts_after_its_verdict(tiny_services, sampling):
+    rt = tiny_services["near_draft"].runtime
+    history = TOKEN_PROMPTS[0]
+    block = _propose(rt, "cache-main", history, 4, sampling)  # the block in flight
+    # a prefix the session holds (the history but its last token), then H[-1] + the block
+    call = BranchCall("cache-main", len(history) - 1, rolling_hash(history[:-1]),
+                      history[-1:] + block, len(block), 2, 3, sampling)
+    future, _ = rt.propose_branches(call)
+    proposal = future.result(60)
+    assert [(b.accepted) for b in proposal.branches] == [j for j in range(5) for _ in range(2)]
+    assert proposal.cache_len == len(history) + len(block)
+    for j in range(5):
+        tokens = [b.token for b in proposal.branches if b.accepted == j]
+        assert len(set(tokens)) == 2
+        if j < len(block):
+            assert block[j] not in tokens  # the target would have accepted the draft's token
+    guess = _propose(rt, "cache-guess", history + block, 1, sampling)[0]
+    assert proposal.branches[-2].token == guess  # j = k, first candidate: plain pipelining's
+    for i, b in enumerate(proposal.branches):
+        fresh = _propose(rt, f"cache-ref-{i}", history + block[:b.accepted] + [b.token], 3,
+                         sampling)
+        assert b.tokens == fresh, (b.accepted, b.token)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, COUPLED], ids=["greedy", "coupled"])
+def test_pipelined_text_with_the_cache_is_the_targets(tiny_services, sampling):
+    async def go():
+        out = {}
+        for prompt in TOKEN_PROMPTS:
+            alone = await generate_on(tiny_services, None, prompt, "target-only", None, 48,
+                                      sampling)
+            cached = await generate_on(tiny_services, "near_draft", prompt, "pipelined", 3, 48,
+                                       sampling)
+            assert cached.token_ids == alone.token_ids
+            out[tuple(prompt)] = cached
+        return out
+
+    results = run(go()).values()
+    for r in results:
+        s = r.summary()
+        assert s["cache_branches"] == r.stats.branches_drafted
+        assert s["wasted_branches"] == r.stats.branches_drafted - r.stats.pipeline_hits
+    stats = [r.stats for r in results]
+    hits = sum(s.pipeline_hits for s in stats)
+    misses = sum(s.pipeline_misses for s in stats)
+    branches = sum(s.branches_drafted for s in stats)
+    assert hits > 0 and misses > 0  # a near draft: the cache holds most verdicts, not all
+    assert branches > hits  # the other branches were drafted and wasted
+
+
+def test_a_rejection_sampled_request_keeps_plain_pipelining(tiny_services):
+    sampling = SamplingParams(temperature=0.9, seed=3, rule="rejection")
+    result = run(generate_on(tiny_services, "near_draft", TOKEN_PROMPTS[1], "pipelined", 3, 32,
+                             sampling))
+    assert result.stats.branches_drafted == 0
+    assert result.stats.pipeline_hits + result.stats.pipeline_misses > 0
+
+
+def _branch_request(history, block, width=2, depth=3, sampling=GREEDY, prefix=0):
+    ref = pb.SessionRef(session_id="cache-bad", prefix_len=prefix,
+                        prefix_hash=rolling_hash(history[:prefix]))
+    return pb.DraftRequest(session=ref, tokens=history[prefix:] + block, k=depth,
+                           sampling=sampling.to_wire(pb),
+                           branches=pb.BranchSpec(block_len=len(block), width=width,
+                                                  depth=depth))
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(width=20), "width"),
+    (dict(depth=65), "depth"),
+    (dict(sampling=SamplingParams(temperature=0.8, seed=1, rule="rejection")), "coupled"),
+    (dict(sampling=SamplingParams(presence_penalty=0.5)), "penalties"),
+])
+def test_bad_branch_requests_get_invalid_argument_and_the_service_keeps_serving(
+        tiny_services, change, says):
+    async def go():
+        async with grpc.aio.insecure_channel(tiny_services["near_draft"].address) as ch:
+            stub = pb_grpc.DraftServiceStub(ch)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Propose(_branch_request(TOKEN_PROMPTS[0], [5, 6, 7, 8], **change))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert says in err.value.details()
+            ok = await stub.Propose(_branch_request(TOKEN_PROMPTS[0], [5, 6, 7, 8]))
+            assert len(ok.branches) == 10 and all(len(b.tokens) == 3 for b in ok.branches)
+
+    run(go())
+
+
+def test_the_block_must_follow_the_historys_last_token(tiny_services):
+    async def go():
+        async with grpc.aio.insecure_channel(tiny_services["near_draft"].address) as ch:
+            stub = pb_grpc.DraftServiceStub(ch)
+            req = _branch_request(TOKEN_PROMPTS[0], [5, 6])
+            req.branches.block_len = len(req.tokens)  # nothing of the history left to feed
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Propose(req)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "block_len" in err.value.details()
+
+    run(go())
+
+
+def test_a_cancelled_branch_call_leaves_the_session_as_a_fresh_one(tiny_services):
+    """The client cancels a branch call (the verdict came, the generation ended); the next
+    call on the session drafts exactly what a fresh session drafts."""
+    from orchestrator.pair import close, connect
+
+    history = History(TOKEN_PROMPTS[1])
+
+    async def go():
+        orch = await connect(tiny_services["target"].address,
+                             tiny_services["near_draft"].address, tokenizer_spec="default")
+        try:
+            draft = orch.draft
+            first, _ = await draft.propose("cache-cancel", history, [], 4, GREEDY)
+            block = list(first.tokens)
+            task = asyncio.ensure_future(draft.propose_branches(
+                "cache-cancel", history, block, 4, 6, GREEDY))
+            await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            longer = History(history.tokens + block[:2] + [7])
+            again, _ = await draft.propose("cache-cancel", longer, [], 5, GREEDY)
+            fresh, _ = await draft.propose("cache-fresh", longer, [], 5, GREEDY)
+            assert list(again.tokens) == list(fresh.tokens)
+        finally:
+            await close(orch)
+
+    run(go())
