@@ -149,9 +149,11 @@ def cmd_concurrency(args) -> int:
     prompts = [p for name in args.prompts for p in load_prompts(name)]
     if args.limit:
         prompts = prompts[: args.limit]
-    hf = HFGenerate(args.target, None, args.hf_threads)
+    cores = split_cores(args.split, os.cpu_count() or 1) if args.split else None
+    hf = HFGenerate(args.target, None, args.hf_threads or (len(cores["target"]) if cores else 0),
+                    cores=cores["target"] if cores else None)
     spd = SpecdecSystems(args.target, args.draft, args.threads,
-                         ["specdec-target-only", "specdec-pipelined"])
+                         ["specdec-target-only", "specdec-pipelined"], cores=cores)
     try:
         spd.connect()
         ids = [encode_prompt(hf.tokenizer, p, None) for p in prompts]
@@ -161,7 +163,9 @@ def cmd_concurrency(args) -> int:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary["command"] = f"specdec bench --concurrency {args.concurrency} " \
-                         f"--max-new-tokens {args.max_new_tokens}"
+                         f"--max-new-tokens {args.max_new_tokens}" + \
+                         (f" --split {args.split}" if args.split else "")
+    summary["split"] = cores
     (out / "concurrency.json").write_text(json.dumps(summary, indent=1))
     print(concurrency.table(summary))
     print(f"wrote {concurrency.plot(summary, out)}")

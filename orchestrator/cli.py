@@ -10,12 +10,13 @@ import logging
 import os
 import sys
 
+from orchestrator.generation import DEFAULT_MODE, MODES
 from specdec.config import DEFAULT_RULE, RULES
 from specdec.models.tokenizer import encode_prompt
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODE = "auto"
+AUTO_MODE = "auto"  # the CLI's --mode default: settled per run by resolve_auto
 
 
 def shares_compute(args) -> bool:
@@ -32,8 +33,8 @@ def shares_compute(args) -> bool:
 def resolve_auto(args) -> None:
     """Settle ``--mode auto`` and ``--threads 0`` (auto) for this run, in place."""
     cores = os.cpu_count() or 1
-    if args.mode == "auto":
-        args.mode = "spec" if shares_compute(args) else "pipelined"
+    if args.mode == AUTO_MODE:
+        args.mode = "spec" if shares_compute(args) else DEFAULT_MODE
     if not args.threads:
         # Local services take turns in spec / target-only mode, so each may use every core;
         # pipelined local services run at the same time, so they split the cores.
@@ -52,8 +53,7 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
                         "rejection: higher acceptance, text depends on the draft and k")
     p.add_argument("--k", type=int, default=None,
                    help="draft tokens per round (default: adaptive; 0 = no speculation)")
-    p.add_argument("--mode", choices=["auto", "pipelined", "spec", "target-only"],
-                   default=DEFAULT_MODE,
+    p.add_argument("--mode", choices=[AUTO_MODE, *MODES], default=AUTO_MODE,
                    help="pipelined: draft ahead during verification; spec: sequential rounds; "
                         "target-only: no draft, the baseline; auto (default): spec when specdec "
                         "starts both services on this machine (they share its cores), pipelined "

@@ -207,9 +207,13 @@ def _parse_event(line: str, chat: bool) -> Chunk | None:
 
 
 class _Base:
-    def __init__(self, base_url: str, api_key: str | None, model: str,
-                 timeout: float | httpx.Timeout, max_retries: int, backoff_s: float,
-                 max_backoff_s: float):
+    """What both clients share: the server's root (``.../v1`` also accepted), the key, the
+    model name, timeouts and the retry policy; ``http_client`` replaces the httpx client."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
+                 model: str = "specdec", timeout: float | httpx.Timeout = 120.0,
+                 max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
+                 http_client=None):
         base_url = base_url.rstrip("/")
         # Accept the OpenAI-style base URL too (".../v1").
         self.base_url = base_url[:-3] if base_url.endswith("/v1") else base_url
@@ -219,6 +223,10 @@ class _Base:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = http_client or self._new_http()
+
+    def _new_http(self):
+        raise NotImplementedError
 
     def _delay(self, attempt: int, resp: httpx.Response | None) -> float:
         """Backoff before retry ``attempt`` (0-based): Retry-After if given, else exponential
@@ -257,13 +265,8 @@ def should_retry(attempt: int, max_retries: int, failure: int | Exception) -> bo
 class SpecdecClient(_Base):
     """Synchronous client. ``base_url`` is the server's root (``.../v1`` also accepted)."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
-                 model: str = "specdec", timeout: float | httpx.Timeout = 120.0,
-                 max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 http_client: httpx.Client | None = None):
-        super().__init__(base_url, api_key, model, timeout, max_retries, backoff_s,
-                         max_backoff_s)
-        self._http = http_client or httpx.Client(timeout=self.timeout)
+    def _new_http(self) -> httpx.Client:
+        return httpx.Client(timeout=self.timeout)
 
     def close(self) -> None:
         self._http.close()
@@ -357,13 +360,8 @@ class SpecdecClient(_Base):
 class AsyncSpecdecClient(_Base):
     """The asyncio twin of SpecdecClient (same methods, awaitable / async iterators)."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None,
-                 model: str = "specdec", timeout: float | httpx.Timeout = 120.0,
-                 max_retries: int = 3, backoff_s: float = 0.5, max_backoff_s: float = 8.0,
-                 http_client: httpx.AsyncClient | None = None):
-        super().__init__(base_url, api_key, model, timeout, max_retries, backoff_s,
-                         max_backoff_s)
-        self._http = http_client or httpx.AsyncClient(timeout=self.timeout)
+    def _new_http(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=self.timeout)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from specdec.config import MAX_K, SamplingParams
+from specdec.serving.drafting import checked_tokens
 from specdec.serving.engine import KVCache, LlamaEngine
 from specdec.serving.sampling import coupling_noise, process_logits
 from specdec.serving.scheduler import Piece
@@ -48,12 +49,7 @@ class BranchCall:
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "BranchCall":
-        tokens = list(req.tokens)
-        if not tokens:
-            raise ValueError("tokens must not be empty: drafting continues from the last one")
-        bad = [t for t in tokens if not (0 <= t < vocab_size)]
-        if bad:
-            raise ValueError(f"tokens: token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        tokens = checked_tokens(req.tokens, vocab_size)
         sampling = SamplingParams.from_wire(req.sampling)
         b = req.branches
         if not (b.block_len < len(tokens)):

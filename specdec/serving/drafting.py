@@ -38,12 +38,7 @@ class ProposeCall:
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "ProposeCall":
-        tokens = list(req.tokens)
-        if not tokens:
-            raise ValueError("tokens must not be empty: drafting continues from the last one")
-        bad = [t for t in tokens if not (0 <= t < vocab_size)]
-        if bad:
-            raise ValueError(f"tokens: token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        tokens = checked_tokens(req.tokens, vocab_size)
         if not (1 <= req.k <= MAX_K):
             raise ValueError(f"k must be in [1, {MAX_K}], got {req.k}")
         return cls(
@@ -55,6 +50,17 @@ class ProposeCall:
             sampling=SamplingParams.from_wire(req.sampling),
             request_id=req.request_id[:64],
         )
+
+
+def checked_tokens(tokens, vocab_size: int) -> list[int]:
+    """A draft call's tokens: non-empty (drafting continues from the last), ids in the vocab."""
+    tokens = list(tokens)
+    if not tokens:
+        raise ValueError("tokens must not be empty: drafting continues from the last one")
+    bad = [t for t in tokens if not (0 <= t < vocab_size)]
+    if bad:
+        raise ValueError(f"tokens: token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    return tokens
 
 
 @dataclasses.dataclass
