@@ -100,6 +100,7 @@ class SpecdecSystems:
                 p.stop()
             raise
         self.target_spec = target
+        self.split = bool(cores)
         self.rtts = list(rtts)
         self.orchestrators: dict[tuple[str, float], object] = {}
         self.loop = asyncio.new_event_loop()
@@ -122,8 +123,9 @@ class SpecdecSystems:
                 if draft_key is not None and draft_key not in self.processes:
                     continue
                 d = via(self.processes[draft_key].address, rtt) if draft_key else None
-                self.orchestrators[(name, rtt)] = self.loop.run_until_complete(
-                    connect(t, d, tokenizer_spec=self.target_spec))
+                orch = self.loop.run_until_complete(connect(t, d, tokenizer_spec=self.target_spec))
+                orch.speculation_cache = self.split  # services sharing cores: see Orchestrator
+                self.orchestrators[(name, rtt)] = orch
 
     @property
     def target_forward_ms(self) -> list[float]:

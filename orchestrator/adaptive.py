@@ -250,3 +250,58 @@ class BranchWidth:
         predicted = self.costs.branch_call_ms(k, width, depth)
         if predicted > 0:
             self.scale = self.decay * self.scale + (1 - self.decay) * measured_ms / predicted
+
+
+class CacheRates:
+    """Whether the speculation cache pays on this deployment, measured rather than modelled:
+    tokens per second over epochs of pipelined rounds with the cache and without it (decayed;
+    one per orchestrator, so generations share what earlier ones saw). Where the draft has its
+    own hardware the cache wins; where draft and target share cores its branches slow the
+    verify pass and plain pipelining wins. Every ``EXPLORE``-th epoch tries the other side, so
+    a change (a neighbour left, the load grew) is noticed."""
+
+    EPOCH = 8  # rounds
+    EXPLORE = 6  # epochs
+
+    def __init__(self, decay: float = 0.6):
+        self.decay = decay
+        self.rate: dict[bool, float | None] = {True: None, False: None}
+        self.epochs = 0
+
+    def choose(self) -> bool:
+        """The side of the next epoch: each untried side first, then the faster, exploring."""
+        self.epochs += 1
+        for side in (True, False):
+            if self.rate[side] is None:
+                return side
+        best = self.rate[True] >= self.rate[False]
+        return (not best) if self.epochs % self.EXPLORE == 0 else best
+
+    def observe(self, cached: bool, tokens_per_s: float) -> None:
+        old = self.rate[cached]
+        self.rate[cached] = tokens_per_s if old is None else \
+            self.decay * old + (1 - self.decay) * tokens_per_s
+
+
+class CacheEpoch:
+    """One generation's current epoch of CacheRates: its side, and the tokens and time of its
+    rounds since the epoch's first verdict."""
+
+    def __init__(self, rates: CacheRates):
+        self.rates = rates
+        self.cached = rates.choose()
+        self.rounds = 0
+        self.tokens = 0
+        self.since: float | None = None
+
+    def observe(self, tokens: int, now: float) -> None:
+        """A verdict at ``now`` that emitted ``tokens``."""
+        if self.since is None:  # the epoch's clock starts at its first verdict
+            self.since = now
+            return
+        self.rounds += 1
+        self.tokens += tokens
+        if self.rounds >= self.rates.EPOCH:
+            self.rates.observe(self.cached, self.tokens / max(now - self.since, 1e-9))
+            self.cached = self.rates.choose()
+            self.rounds, self.tokens, self.since = 0, 0, now

@@ -165,6 +165,8 @@ async def orchestrator_for(args, need_draft: bool = True):
         orch = await connect(target_addr, draft_addr if want_draft else None,
                              target_deadline_s=args.target_deadline_s,
                              tokenizer_spec=args.tokenizer or args.target, tls=tls)
+        # Services specdec started here share this machine's cores with each other.
+        orch.speculation_cache = not start_local
         yield orch
     finally:
         if orch is not None:

@@ -22,7 +22,15 @@ import time
 import uuid
 from typing import AsyncIterator
 
-from orchestrator.adaptive import BranchWidth, Costs, KController, LiveCosts, LookupSizer
+from orchestrator.adaptive import (
+    BranchWidth,
+    CacheEpoch,
+    CacheRates,
+    Costs,
+    KController,
+    LiveCosts,
+    LookupSizer,
+)
 from orchestrator.generation import (
     Block,
     Delta,
@@ -86,6 +94,12 @@ class Orchestrator:
         # What rounds cost as the calls show it, shared by this orchestrator's generations;
         # None: greedy requests too use the services' start-up calibration.
         self.live_costs: LiveCosts | None = self._calibrated_costs(LiveCosts)
+        # The speculation cache: off where the draft shares the target's cores (its branches
+        # then slow the verify pass: local services started by specdec on one machine);
+        # elsewhere on, as long as it measures faster than plain pipelining (cache_rates,
+        # shared by the generations; None: always on).
+        self.speculation_cache = True
+        self.cache_rates: CacheRates | None = CacheRates()
 
     def _calibrated_costs(self, kind: type[Costs] = Costs) -> Costs:
         """Costs from the services' start-up calibration (GetInfo.forward_ms)."""
@@ -117,8 +131,9 @@ class Orchestrator:
         or coupled without penalties (a branch is then exactly the block the draft would
         draft after its verdict), over a model draft, unless the request turned it off."""
         s = req.sampling
-        if not req.branches or not s.drafter_invariant or s.penalized or \
-                self.draft is None or (self.draft.info and self.draft.info.drafter == "ngram"):
+        ngram = self.draft is not None and self.draft.info and self.draft.info.drafter == "ngram"
+        if not (req.branches and self.speculation_cache) or not s.drafter_invariant or \
+                s.penalized or self.draft is None or ngram:
             return None
         return BranchWidth(self._costs(req))
 
@@ -152,7 +167,7 @@ class Orchestrator:
         history = History(req.prompt_ids)
         out = _Output(self.tokenizer, req, self.eos_ids)
         drafting = _Drafting(self, req, session_id, stats)
-        pipeline = _Pipeline(drafting, self._branch_widths(req)) \
+        pipeline = _Pipeline(drafting, self._branch_widths(req), self.cache_rates) \
             if req.mode == "pipelined" and self.draft else None
         if pipeline is not None and pipeline.widths is not None and drafting.k_ctl is not None:
             drafting.k_ctl.branching = True  # k is costed with the cache's hit rate
@@ -316,9 +331,11 @@ class _Pipeline:
     rolls back to the committed tokens, as its next call's prefix says).
     """
 
-    def __init__(self, drafting: _Drafting, widths: BranchWidth | None):
+    def __init__(self, drafting: _Drafting, widths: BranchWidth | None,
+                 rates: CacheRates | None):
         self.drafting = drafting
         self.widths = widths  # None: no speculation cache for this request
+        self.epoch = CacheEpoch(rates) if widths is not None and rates is not None else None
         self.task: asyncio.Task | None = None
         self.branching = False  # the call in flight is a branch call
         self.shape = (0, 0, 0)  # (k, width, depth) of the branch call in flight
@@ -334,7 +351,8 @@ class _Pipeline:
         if depth <= 0:
             return
         k = len(block.tokens)
-        self.branching = self.widths is not None and k + 1 <= MAX_BRANCHES
+        self.branching = self.widths is not None and k + 1 <= MAX_BRANCHES and (
+            self.epoch is None or self.epoch.cached)
         if not self.branching:  # plain pipelining: the guess and the block past it
             self.task = asyncio.create_task(
                 self.drafting.draft_block(history, block.tokens, depth + 1, "pipelined"))
@@ -347,6 +365,8 @@ class _Pipeline:
 
     async def next_block(self, rnd: Round) -> Block | None:
         """The block drafted behind ``rnd`` for its verdict, else None."""
+        if self.epoch is not None:
+            self.epoch.observe(len(rnd.tokens), time.perf_counter())
         if self.task is None:
             return None
         task, self.task = self.task, None
