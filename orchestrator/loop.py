@@ -180,13 +180,14 @@ class Orchestrator:
                 stats.record(rnd)
                 drafting.learn(rnd)
                 prompt_logprobs = prompt_logprobs or rnd.prompt_logprobs
-                carried = await pipeline.next_block(rnd) if pipeline is not None else None
                 taken, delta, done = out.commit(rnd.tokens, rnd.logprobs)
                 history.extend(taken)
                 if stats.ttft_s == 0.0:
                     stats.ttft_s = time.perf_counter() - started
                 if delta is not None:
-                    yield delta
+                    yield delta  # before waiting for the next block: the text goes out now
+                if pipeline is not None and not done:
+                    carried = await pipeline.next_block(rnd)
         finally:
             if pipeline is not None:
                 pipeline.cancel()

@@ -159,3 +159,18 @@ def test_a_cancelled_branch_call_leaves_the_session_as_a_fresh_one(tiny_services
             await close(orch)
 
     run(go())
+
+
+def test_branches_stop_at_the_drafts_context(tiny_services):
+    """Near the end of the draft's context a branch call drafts shorter branches (as a plain
+    call drafts a shorter block) instead of failing."""
+    rt = tiny_services["near_draft"].runtime
+    max_ctx = rt.engine.arch.max_context
+    history = [(7 * i) % 5000 + 10 for i in range(max_ctx - 8)]
+    block = [11, 12, 13, 14]
+    call = BranchCall("cache-edge", 0, 0, history + block, len(block), 1, 6, GREEDY)
+    future, _ = rt.propose_branches(call)
+    proposal = future.result(60)
+    room = max_ctx - len(history) - len(block) - 1
+    assert len(proposal.branches) == len(block) + 1
+    assert all(len(b.tokens) == room for b in proposal.branches)

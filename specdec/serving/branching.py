@@ -124,6 +124,7 @@ class BranchWork:
         self._piece_len = 0
         self.branches: list[Branch] = []
         self._active: list[Branch] = []
+        self.depth = call.depth  # cut at the context's end in start()
 
     @property
     def history_len(self) -> int:
@@ -137,8 +138,10 @@ class BranchWork:
                                self.engine.new_cache)
         self.session.request_id = c.request_id or self.session.request_id
         max_ctx = self.engine.arch.max_context
-        if c.prefix_len + len(c.tokens) + c.depth + 1 >= max_ctx:
+        if c.prefix_len + len(c.tokens) >= max_ctx:
             raise ValueError(f"sequence exceeds the draft's context of {max_ctx}")
+        # Never draft past the context: shorter branches are still branches.
+        self.depth = min(c.depth, max_ctx - c.prefix_len - len(c.tokens) - 1)
 
     def next_piece(self, budget: int) -> Piece | list[Piece] | None:
         feed, rows = self.call.tokens, self.call.block_len + 1
@@ -162,13 +165,14 @@ class BranchWork:
             for b, lg in zip(self._active, logits):
                 b.tokens.append(self._choose(lg[-1], b.position))
                 b.position += 1
-            self._active = [b for b in self._active if len(b.tokens) < self.call.depth]
+            self._active = [b for b in self._active if len(b.tokens) < self.depth]
             return not self._active
         self._fed += self._piece_len
         if self._fed < len(self.call.tokens):
             return False
         self.session.append(self.call.tokens)
-        self._fork(logits)
+        if self.depth > 0:
+            self._fork(logits)
         return not self._active
 
     def _choose(self, logits: torch.Tensor, position: int) -> int:
