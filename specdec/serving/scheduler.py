@@ -168,7 +168,8 @@ class BatchScheduler:
                     log.exception("after_pass hook failed")
 
     def _step(self, active: list[_Entry]) -> None:
-        pieces: list[tuple[_Entry, list[Piece]]] = []  # per work: its piece(s) this pass
+        # per work: its piece(s) this pass, and whether it gave a list (its logits go back so)
+        pieces: list[tuple[_Entry, list[Piece], bool]] = []
         budget = self.token_budget
         # Decoding pieces first (they are small and someone is waiting on each), then prefill.
         for want_prefill in (False, True):
@@ -185,33 +186,33 @@ class BatchScheduler:
                     continue
                 if piece is None:
                     continue
-                group = piece if isinstance(piece, list) else [piece]
+                many = isinstance(piece, list)
+                group = piece if many else [piece]
                 if not group or any(p.prefill != want_prefill for p in group):
                     continue
                 if want_prefill:
                     if budget <= 0 and pieces:
                         continue
                     budget -= sum(int(p.tokens.shape[0]) for p in group)
-                pieces.append((entry, group) if isinstance(piece, list) else (entry, piece))
+                pieces.append((entry, group, many))
         if not pieces:
             return
-        flat = [p for _, ps in pieces for p in (ps if isinstance(ps, list) else [ps])]
+        flat = [p for _, group, _ in pieces for p in group]
         started = time.perf_counter()
         try:
             logits = self.engine.forward([p.cache for p in flat], [p.tokens for p in flat],
                                          [p.num_logits for p in flat])
         except Exception as exc:
             log.exception("forward pass failed")
-            for entry, _ in pieces:
+            for entry, _, _ in pieces:
                 _settle(entry.future, exc=exc)
             return
         elapsed = time.perf_counter() - started
         self.forward_passes += 1
         at = 0
-        for entry, ps in pieces:
-            n = len(ps) if isinstance(ps, list) else 1
-            lg = logits[at:at + n] if isinstance(ps, list) else logits[at]
-            at += n
+        for entry, group, many in pieces:
+            lg = logits[at:at + len(group)] if many else logits[at]
+            at += len(group)
             entry.work.compute_s += elapsed
             entry.work.batch_size = len(flat)
             if entry.future.done():  # cancelled while its piece ran
