@@ -228,6 +228,20 @@ class _Base:
     def _new_http(self):
         raise NotImplementedError
 
+    def stream_complete(self, prompt: str | list[int], **options: Unpack[Options]):
+        """Chunks as the text is generated (an iterator; an async iterator from the async
+        client); the last carries finish_reason, stats and usage. Stop iterating (and close
+        the iterator) to cancel the generation."""
+        body = _body(self.model, True, *_kw(options))
+        body["prompt"] = prompt
+        return self._events("/v1/completions", body, chat=False)
+
+    def stream_chat(self, messages: str | list[dict], **options: Unpack[Options]):
+        """As stream_complete, for a chat."""
+        body = _body(self.model, True, *_kw(options))
+        body["messages"] = _messages(messages)
+        return self._events("/v1/chat/completions", body, chat=True)
+
     def _delay(self, attempt: int, resp: httpx.Response | None) -> float:
         """Backoff before retry ``attempt`` (0-based): Retry-After if given, else exponential
         with jitter, at most max_backoff_s."""
@@ -328,20 +342,6 @@ class SpecdecClient(_Base):
         body["messages"] = _messages(messages)
         return _parse_completion(self._json("POST", "/v1/chat/completions", body), chat=True)
 
-    def stream_complete(self, prompt: str | list[int],
-                        **options: Unpack[Options]) -> Iterator[Chunk]:
-        """Chunks as the text is generated; the last carries finish_reason, stats and usage.
-        Stop iterating (and close the iterator) to cancel the generation."""
-        body = _body(self.model, True, *_kw(options))
-        body["prompt"] = prompt
-        return self._events("/v1/completions", body, chat=False)
-
-    def stream_chat(self, messages: str | list[dict],
-                        **options: Unpack[Options]) -> Iterator[Chunk]:
-        body = _body(self.model, True, *_kw(options))
-        body["messages"] = _messages(messages)
-        return self._events("/v1/chat/completions", body, chat=True)
-
     def models(self) -> list[str]:
         return [m["id"] for m in self._json("GET", "/v1/models")["data"]]
 
@@ -421,18 +421,6 @@ class AsyncSpecdecClient(_Base):
         body["messages"] = _messages(messages)
         return _parse_completion(await self._json("POST", "/v1/chat/completions", body),
                                  chat=True)
-
-    def stream_complete(self, prompt: str | list[int],
-                        **options: Unpack[Options]) -> AsyncIterator[Chunk]:
-        body = _body(self.model, True, *_kw(options))
-        body["prompt"] = prompt
-        return self._events("/v1/completions", body, chat=False)
-
-    def stream_chat(self, messages: str | list[dict],
-                        **options: Unpack[Options]) -> AsyncIterator[Chunk]:
-        body = _body(self.model, True, *_kw(options))
-        body["messages"] = _messages(messages)
-        return self._events("/v1/chat/completions", body, chat=True)
 
     async def models(self) -> list[str]:
         return [m["id"] for m in (await self._json("GET", "/v1/models"))["data"]]

@@ -96,6 +96,9 @@ class Orchestrator:
         # then slow the verify pass: local services specdec starts on one machine, where the
         # bench measured 9.2 tok/s with it against 21.0 without), on everywhere else.
         self.speculation_cache = True
+        # The cache's width control, shared by the generations (what a branch call costs
+        # against its prediction carries over from one to the next).
+        self.branch_widths = BranchWidth(self.live_costs) if self.live_costs else None
 
     def _calibrated_costs(self, kind: type[Costs] = Costs) -> Costs:
         """Costs from the services' start-up calibration (GetInfo.forward_ms)."""
@@ -131,7 +134,8 @@ class Orchestrator:
         if not (req.branches and self.speculation_cache) or not s.drafter_invariant or \
                 s.penalized or self.draft is None or ngram:
             return None
-        return BranchWidth(self._costs(req))
+        # branching requests are drafter-invariant: they are costed live (_costs)
+        return self.branch_widths or BranchWidth(self._costs(req))
 
     def _lookup_sizer(self, req: GenerationRequest) -> LookupSizer:
         return LookupSizer(self._costs(req), LOOKUP_MAX_TOKENS)
