@@ -153,7 +153,7 @@ def cmd_concurrency(args) -> int:
     hf = HFGenerate(args.target, None, args.hf_threads or (len(cores["target"]) if cores else 0),
                     cores=cores["target"] if cores else None)
     spd = SpecdecSystems(args.target, args.draft, args.threads,
-                         ["specdec-target-only", "specdec-pipelined"], cores=cores)
+                         list(concurrency.SYSTEMS[1:]), cores=cores)
     try:
         spd.connect()
         ids = [encode_prompt(hf.tokenizer, p, None) for p in prompts]

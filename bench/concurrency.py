@@ -13,7 +13,9 @@ import time
 
 from tqdm import tqdm
 
-SYSTEMS = ("hf", "specdec-target-only", "specdec-pipelined")
+# specdec-spec is what ``--mode auto`` runs on services sharing one machine's cores,
+# specdec-pipelined what it runs on separate hardware (``--split``)
+SYSTEMS = ("hf", "specdec-target-only", "specdec-spec", "specdec-pipelined")
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -26,6 +28,7 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def run_levels(levels: list[int], prompt_ids: list[list[int]], max_new: int, hf, spd,
                k: int | None) -> dict:
+    from bench.harness import _SPECDEC
     from orchestrator.generation import GenerationRequest
 
     reference: dict[int, list[int]] = {}
@@ -44,12 +47,12 @@ def run_levels(levels: list[int], prompt_ids: list[list[int]], max_new: int, hf,
                         outputs.append(tokens)
                         bar.update(1)
                 else:
-                    orch = spd.orchestrators[("draft" if system == "specdec-pipelined"
-                                              else "target", spd.rtts[0])]
-                    mode = "pipelined" if system == "specdec-pipelined" else "target-only"
+                    orch_name, mode, branches = _SPECDEC[system]
+                    orch = spd.orchestrators[(orch_name, spd.rtts[0])]
 
                     async def one(ids):
-                        r = await orch.generate(GenerationRequest(ids, max_new, mode=mode, k=k))
+                        r = await orch.generate(GenerationRequest(ids, max_new, mode=mode, k=k,
+                                                                  branches=branches))
                         bar.update(1)
                         return r, time.perf_counter() - t0
 
@@ -75,12 +78,17 @@ def run_levels(levels: list[int], prompt_ids: list[list[int]], max_new: int, hf,
 
 def table(summary: dict) -> str:
     base = {r["system"]: r["tokens_per_s"] for r in summary["rows"] if r["concurrency"] == 1}
-    lines = ["| system | N | aggregate tok/s | vs N=1 | p50 latency s | p95 latency s | mismatches |",
-             "|---|---|---|---|---|---|---|"]
+    alone = {r["concurrency"]: r["tokens_per_s"] for r in summary["rows"]
+             if r["system"] == "specdec-target-only"}
+    lines = ["| system | N | aggregate tok/s | vs N=1 | vs specdec-target-only | p50 latency s | "
+             "p95 latency s | mismatches |", "|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         rel = r["tokens_per_s"] / base[r["system"]] if base.get(r["system"]) else float("nan")
+        vs = r["tokens_per_s"] / alone[r["concurrency"]] if alone.get(r["concurrency"]) else \
+            float("nan")
         lines.append(f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
-                     f"{rel:.2f}x | {r['p50_s']:.2f} | {r['p95_s']:.2f} | {r['mismatches']} |")
+                     f"{rel:.2f}x | {vs:.2f}x | {r['p50_s']:.2f} | {r['p95_s']:.2f} | "
+                     f"{r['mismatches']} |")
     return "\n".join(lines)
 
 

@@ -124,7 +124,7 @@ class SpecdecSystems:
                     continue
                 d = via(self.processes[draft_key].address, rtt) if draft_key else None
                 orch = self.loop.run_until_complete(connect(t, d, tokenizer_spec=self.target_spec))
-                orch.speculation_cache = self.split  # services sharing cores: see Orchestrator
+                orch.shared_cores = not self.split  # see Orchestrator
                 self.orchestrators[(name, rtt)] = orch
 
     @property

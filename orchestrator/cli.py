@@ -166,7 +166,7 @@ async def orchestrator_for(args, need_draft: bool = True):
                              target_deadline_s=args.target_deadline_s,
                              tokenizer_spec=args.tokenizer or args.target, tls=tls)
         # Services specdec started here share this machine's cores with each other.
-        orch.speculation_cache = not start_local
+        orch.shared_cores = start_local
         yield orch
     finally:
         if orch is not None:

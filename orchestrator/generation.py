@@ -109,6 +109,7 @@ class GenerationStats:
     branches_drafted: int = 0  # speculation-cache branches drafted (hits included)
     re_prefills: int = 0
     tokens_without_draft: int = 0  # emitted while the draft was down or failing
+    crowded_rounds: int = 0  # no draft: other generations shared the cores (loop._Drafting)
     draft_failures: int = 0
     wall_s: float = 0.0
     ttft_s: float = 0.0
@@ -129,6 +130,7 @@ class GenerationStats:
         self.tokens_per_round.append(len(rnd.tokens))
         if rnd.block.draft_failed:  # the draft was down or failed: this round's token came alone
             self.tokens_without_draft += 1
+        self.crowded_rounds += rnd.block.source == "crowded"
         if rnd.block.source == "lookup":
             self.lookup_rounds += 1
             self.lookup_drafted += n
@@ -236,6 +238,7 @@ class GenerationResult:
                                                          else 0)),
             re_prefills=s.re_prefills,
             tokens_without_draft=s.tokens_without_draft,
+            crowded_rounds=s.crowded_rounds,
             accepted_per_position=s.accepted_per_position,
         )
 

@@ -92,10 +92,12 @@ class Orchestrator:
         # What rounds cost as the calls show it, shared by this orchestrator's generations;
         # None: greedy requests too use the services' start-up calibration.
         self.live_costs: LiveCosts | None = self._calibrated_costs(LiveCosts)
-        # The speculation cache: off where the draft shares the target's cores (its branches
-        # then slow the verify pass: local services specdec starts on one machine, where the
-        # bench measured 9.2 tok/s with it against 21.0 without), on everywhere else.
-        self.speculation_cache = True
+        # Whether the draft shares the target's cores (local services specdec starts on one
+        # machine). Then the speculation cache is off (its branches slow the verify pass: the
+        # bench measured 9.2 tok/s with it against 21.0 without), and adaptive k drafts only
+        # while one generation runs (see _Drafting.next_k).
+        self.shared_cores = False
+        self.active = 0  # generations in progress
         # The cache's width control, shared by the generations (what a branch call costs
         # against its prediction carries over from one to the next).
         self.branch_widths = BranchWidth(self.live_costs) if self.live_costs else None
@@ -131,7 +133,7 @@ class Orchestrator:
         draft after its verdict), over a model draft, unless the request turned it off."""
         s = req.sampling
         ngram = self.draft is not None and self.draft.info and self.draft.info.drafter == "ngram"
-        if not (req.branches and self.speculation_cache) or not s.drafter_invariant or \
+        if not req.branches or self.shared_cores or not s.drafter_invariant or \
                 s.penalized or self.draft is None or ngram:
             return None
         # branching requests are drafter-invariant: they are costed live (_costs)
@@ -175,6 +177,7 @@ class Orchestrator:
         started = time.perf_counter()
         carried: Block | None = None  # the next block, drafted during the last verify
         done = False
+        self.active += 1
         try:
             while not done:
                 block = await drafting.plan(history, carried, out.remaining, stats.rounds == 0)
@@ -193,6 +196,7 @@ class Orchestrator:
                 if pipeline is not None and not done:
                     carried = await pipeline.next_block(rnd)
         finally:
+            self.active -= 1
             if pipeline is not None:
                 pipeline.cancel()
             stats.wall_s = time.perf_counter() - started
@@ -270,7 +274,7 @@ class _Drafting:
         """This round's block. Pipelined, the first round drafts nothing: the target's
         prefill produces its first token while the draft prefills and drafts past its guess
         of that token, which gives time to first token = the target's prefill alone."""
-        k = max(min(self.k_ctl.next_k(), remaining - 1, MAX_K), 0) if self.k_ctl else 0
+        k = max(min(self.next_k(), remaining - 1, MAX_K), 0)
         draft = self.orch.draft
         if carried is None and self.lookup is not None:
             found = _lookup_block(history.tokens, min(self.lookup.size(), remaining - 1),
@@ -280,7 +284,7 @@ class _Drafting:
                 found.k = k
                 return found
         if k == 0:
-            return Block([], source="none", k=0)
+            return Block([], source="crowded" if self.crowded() else "none", k=0)
         if carried is not None:
             block = carried.cut(k)
             block.k = k
@@ -293,6 +297,26 @@ class _Drafting:
             return Block([], source="none", k=k, draft_failed=True)
         block.k = k
         return block
+
+    def next_k(self, after_full_accept: bool = False) -> int:
+        """The controller's k, or 0 while the generation is ``crowded``."""
+        if self.k_ctl is None or self.crowded():
+            return 0
+        return self.k_ctl.next_k(after_full_accept)
+
+    def crowded(self) -> bool:
+        """Whether other generations share the cores with this one: then it drafts nothing.
+
+        Where the draft shares the target's cores, concurrent generations keep both services
+        busy at once: the draft's passes then take the cores the target's batched verify
+        needs, so a drafted token costs verify throughput instead of hiding behind it
+        (measured on 2 cores, every core per service: pipelined rounds 0.42x target-only's
+        aggregate tok/s at N = 4, 0.24x at N = 8). The target batches the sessions'
+        single-token rounds instead. Only adaptive k on requests whose text k cannot change.
+        """
+        orch = self.orch
+        return orch.shared_cores and orch.active > 1 and self.k_ctl is not None and \
+            self.k_ctl.fixed_k is None and self.req.sampling.drafter_invariant
 
     async def draft_block(self, history: History, extra: list[int], k: int,
                           source: str = "draft") -> Block | None:
@@ -346,7 +370,7 @@ class _Pipeline:
         if room <= 0:
             return
         # The draft also drafts its guess of the target's token: depth + 1 <= MAX_K.
-        depth = min(self.drafting.k_ctl.next_k(after_full_accept=True), MAX_K - 1, room - 1)
+        depth = min(self.drafting.next_k(after_full_accept=True), MAX_K - 1, room - 1)
         if depth <= 0:
             return
         k = len(block.tokens)

@@ -45,6 +45,20 @@ def test_distill_end_to_end_makes_a_loadable_exact_draft(tmp_path, tiny_models, 
     )
     assert again.returncode == 0, again.stderr[-3000:]
 
+    # eval-draft reports each held-out set it is given, the handwritten one too
+    evaluated = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "eval-draft", "--draft", str(draft_dir),
+         "--work", str(tmp_path / "work"), "--heldout-prompts", "2", "--max-new-tokens", "16",
+         "--held-out", "templated,handwritten"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    report = json.loads(evaluated.stdout[evaluated.stdout.index("{"):])
+    assert set(report) == {"templated", "handwritten"}
+    assert report["templated"]["held_out_tokens"] == held["held_out_tokens"]  # the same set
+    assert report["handwritten"]["held_out_tokens"] > 0
+    assert (tmp_path / "work" / "heldout-handwritten").is_dir()
+
     # the distilled draft serves, and speculative greedy output stays the target's
 
     svc = ServiceThread("draft", str(draft_dir), target=target)
@@ -84,3 +98,25 @@ def test_ngram_drafter_proposes_from_a_repetitive_prompt_and_stays_exact(tiny_se
     result = run(generate_on(tiny_services, "ngram", prompt, "spec", 4))
     assert result.stats.draft_tokens > 0  # the repeated prompt gives the lookup matches
     assert result.token_ids == hf_greedy(tiny_services["target"].config.model, prompt, 40)
+
+
+def test_the_handwritten_held_out_prompts_are_no_templates_output():
+    """The honest held-out set: no training (or templated held-out) template produces any of
+    its prompts, with any topic."""
+    import re
+
+    from specdec.distill import prompts
+
+    handwritten = [c[0]["content"] for c in prompts.held_out_set("handwritten")]
+    assert len(handwritten) == len(set(handwritten)) == 48
+    templates = (prompts.TEMPLATES + prompts.WIDE_TEMPLATES + prompts.HELD_OUT_TEMPLATES +
+                 prompts.CODE_TASKS)
+    patterns = [re.compile(re.escape(t).replace(re.escape("{t}"), ".+") + "$", re.S)
+                for t in templates]
+    assert patterns[0].match(prompts.TEMPLATES[0].format(t="glaciers"))  # the check can fail
+    for p in handwritten:
+        assert not any(pat.match(p) for pat in patterns), p
+    training = {c[-1]["content"] for c in prompts.train_conversations(4000, prompt_set="wide")}
+    assert not training & set(handwritten)
+    with pytest.raises(ValueError, match="handwritten"):
+        prompts.held_out_set("nope")

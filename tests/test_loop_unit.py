@@ -242,10 +242,54 @@ def test_the_cache_is_off_where_the_orchestrator_says_the_draft_shares_the_cores
     target, draft = FakeTarget(), FakeDraft(wrong_every=3)
     target.prompt_len = 3
     orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
-    orch.speculation_cache = False  # what orchestrator_for sets for local services
+    orch.shared_cores = True  # what orchestrator_for sets for local services
     req = GenerationRequest([5, 11, 23], 60, SamplingParams(), [], "pipelined", 3,
                             prompt_lookup=False)
     result = asyncio.run(orch.generate(req))
     assert result.token_ids == target_text([5, 11, 23], 60)
     assert result.stats.branches_drafted == 0  # plain pipelining only
     assert result.stats.pipeline_hits + result.stats.pipeline_misses > 0
+
+
+def _together(orch, requests):
+    async def run():
+        return await asyncio.gather(*(orch.generate(r) for r in requests))
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_generations_sharing_the_cores_draft_only_while_alone(shared):
+    """On shared cores concurrent generations leave the draft idle (the target batches their
+    rounds) and a generation drafts again once it is alone; elsewhere all of them draft."""
+    target, draft = FakeTarget(), FakeDraft(wrong_every=5)
+    target.prompt_len = 3
+    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
+    orch.shared_cores = shared
+
+    def req(n, **kw):
+        return GenerationRequest([5, 11, 23], n, SamplingParams(**kw), [], "spec", None,
+                                 prompt_lookup=False)
+
+    long, short = _together(orch, [req(60), req(12)])
+    assert long.token_ids == target_text([5, 11, 23], 60)
+    assert short.token_ids == target_text([5, 11, 23], 12)
+    if not shared:
+        assert long.stats.crowded_rounds == short.stats.crowded_rounds == 0
+        assert short.stats.draft_tokens > 0
+        return
+    # the short one ran beside the long one all along: every round target-only
+    assert short.stats.crowded_rounds == short.stats.rounds and short.stats.draft_tokens == 0
+    # the long one was crowded while the short one ran, and drafts again after it ended
+    k = long.stats.k_requested
+    assert 0 < long.stats.crowded_rounds < long.stats.rounds
+    assert long.stats.draft_tokens > 0 and k[-1] > 0
+    assert orch.active == 0
+    # alone, a generation on shared cores drafts from its first round
+    alone = asyncio.run(orch.generate(req(12)))
+    assert alone.stats.crowded_rounds == 0 and alone.stats.draft_tokens > 0
+    # a request whose text depends on k (the rejection rule), or with a fixed k, keeps it
+    sampled, fixed = _together(orch, [req(12, temperature=0.8, seed=3, rule="rejection"),
+                                      GenerationRequest([5, 11, 23], 12, SamplingParams(), [],
+                                                        "spec", 2, prompt_lookup=False)])
+    assert sampled.stats.crowded_rounds == fixed.stats.crowded_rounds == 0
+    assert fixed.stats.draft_tokens > 0

@@ -63,6 +63,9 @@ class Metrics:
         self.cache_branches = counter(
             "speculation_cache_branches", "Branches the speculation cache drafted (a hit "
             "uses one; the others are wasted draft work).")
+        self.crowded_rounds = counter(
+            "crowded_rounds", "Rounds that drafted nothing because other generations shared "
+            "the cores with the draft (services on one machine; the target batches them).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter(
             "generation_tokens", "Tokens emitted to clients (completion tokens).")
@@ -111,6 +114,7 @@ class Metrics:
         self._l(self.pipeline_hits).inc(s.pipeline_hits)
         self._l(self.pipeline_misses).inc(s.pipeline_misses)
         self._l(self.cache_branches).inc(s.branches_drafted)
+        self._l(self.crowded_rounds).inc(s.crowded_rounds)
         n_out = len(result.token_ids)
         self._l(self.prompt_tokens).inc(result.prompt_tokens)
         self._l(self.generation_tokens).inc(n_out)

@@ -38,6 +38,9 @@ def register(sub) -> None:
     e = sub.add_parser("eval-draft", help="held-out evaluation of a draft for its target")
     e.add_argument("--draft", default="default-draft")
     e.add_argument("--heldout-prompts", type=int, default=48)
+    e.add_argument("--held-out", default="templated,handwritten",
+                   help="held-out sets, comma-separated: templated (training-like prompts on "
+                        "unseen topics), handwritten (unseen phrasings) (default: %(default)s)")
     e.add_argument("--max-new-tokens", type=int, default=192)
     e.add_argument("--work", default="runs/distill", help="held-out data cache directory")
     e.add_argument("--threads", type=int, default=1)
@@ -56,15 +59,18 @@ def _engine_and_tokenizer(target: str):
 
 
 def held_out_records(target: str, work: pathlib.Path, n_prompts: int, max_new: int,
-                     engine=None, tokenizer=None, eos=None) -> list[dict]:
-    """The target's greedy answers to the held-out prompts (cached in WORK/heldout)."""
+                     engine=None, tokenizer=None, eos=None, held_out: str = "templated",
+                     ) -> list[dict]:
+    """The target's greedy answers to a held-out set's prompts (cached in WORK/heldout for the
+    templated set, WORK/heldout-NAME for the others)."""
     from specdec.distill.data import load_shards, write_shards
-    from specdec.distill.prompts import held_out_conversations
+    from specdec.distill.prompts import held_out_set
 
     if engine is None:
         engine, tokenizer, eos = _engine_and_tokenizer(target)
-    shards = write_shards(engine, tokenizer, held_out_conversations(n_prompts),
-                          work / "heldout", eos, max_new_tokens=max_new, batch_size=48,
+    cache = work / ("heldout" if held_out == "templated" else f"heldout-{held_out}")
+    shards = write_shards(engine, tokenizer, held_out_set(held_out, n_prompts),
+                          cache, eos, max_new_tokens=max_new, batch_size=48,
                           temperatures=(0.0,), prompts_per_shard=n_prompts)
     return load_shards(shards)
 
@@ -175,7 +181,10 @@ def cmd_eval(args) -> int:
     if not draft_model.is_draft_dir(spec):
         raise SystemExit(f"error: {args.draft!r} is not a specdec draft directory")
     meta = draft_model.read_meta(spec)
-    held = held_out_records(meta["target"], pathlib.Path(args.work), args.heldout_prompts,
-                            args.max_new_tokens)
-    print(json.dumps(distill.evaluate(spec, held, threads=args.threads), indent=2))
+    report = {}
+    for name in args.held_out.split(","):
+        held = held_out_records(meta["target"], pathlib.Path(args.work), args.heldout_prompts,
+                                args.max_new_tokens, held_out=name.strip())
+        report[name.strip()] = distill.evaluate(spec, held, threads=args.threads)
+    print(json.dumps(report, indent=2))
     return 0
