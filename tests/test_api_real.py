@@ -48,6 +48,37 @@ def test_openai_streams_the_target_only_greedy_answer(serve_with_key):
     assert plain.model_extra["specdec"]["draft_tokens"] == 0
 
 
+def test_concurrent_requests_on_shared_cores_are_crowded_and_stay_the_targets(serve_with_key):
+    """`specdec serve` started both services on this machine: while two generations run
+    together they leave the draft idle (crowded rounds; the target batches them), and each
+    answer is still the target's own."""
+    import concurrent.futures
+
+    from specdec.models.hub import load_tokenizer
+    from specdec.models.tokenizer import encode_prompt
+
+    _, url, _ = serve_with_key
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY)
+    tok = load_tokenizer("default")
+    prompts = CHAT_PROMPTS[:2]
+
+    def ask(prompt):
+        return client.chat.completions.create(
+            model="specdec", messages=[{"role": "user", "content": prompt}],
+            max_tokens=MAX_NEW, temperature=0)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(ask, prompts))
+    for prompt, answer in zip(prompts, answers):
+        ref = hf_greedy("default", encode_prompt(tok, prompt, None), MAX_NEW)
+        assert answer.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    crowded = [a.model_extra["specdec"]["crowded_rounds"] for a in answers]
+    assert sum(crowded) > 0, crowded
+    # alone again, a request drafts
+    alone = ask(prompts[0]).model_extra["specdec"]
+    assert alone["crowded_rounds"] == 0 and alone["draft_tokens"] > 0
+
+
 def test_metrics_show_the_acceptance_counters_and_the_log_has_the_request(serve_with_key):
     _, url, log_path = serve_with_key
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY)

@@ -78,3 +78,26 @@ def test_bench_divergence_counts_differences_and_margins(tmp_path, tiny_models):
         assert rows["differ"] == {"specdec-spec": 0, "specdec-pipelined": 0}, kind
         assert rows["positions"] == 12 and 0 < rows["smallest_margins"][0] < float("inf")
     assert "| greedy | specdec-spec | 0/1 | 12 |" in stdout
+
+
+def test_bench_concurrency_runs_every_system_at_every_level_against_target_only(tmp_path,
+                                                                              tiny_models):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in
+                                 ("Tell me a story.", "Explain gravity.")) + "\n")
+    out = tmp_path / "out"
+    stdout = _cli("bench", "--concurrency", "1,2", "--prompts", str(prompts),
+                  "--target", tiny_models["target"], "--draft", tiny_models["near_draft"],
+                  "--max-new-tokens", "8", "--threads", "1", "--hf-threads", "1",
+                  "--out", str(out))
+    assert "every answer's greedy token ids equal HF target-only's" in stdout
+    assert "vs specdec-target-only" in stdout
+    data = json.loads((out / "concurrency.json").read_text())
+    rows = {(r["system"], r["concurrency"]): r for r in data["rows"]}
+    systems = ("hf", "specdec-target-only", "specdec-spec", "specdec-pipelined")
+    assert set(rows) == {(s, n) for s in systems for n in (1, 2)}
+    for (system, n), r in rows.items():
+        assert r["mismatches"] == 0 and r["tokens"] > 0, system
+        assert f"| {system} | {n} |" in stdout
+    assert "| specdec-target-only | 2 | " in stdout and " | 1.00x | " in stdout
+    assert (out / "concurrency.png").stat().st_size > 1000
