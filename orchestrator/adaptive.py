@@ -52,6 +52,9 @@ class Costs:
     draft_call_ms: float = 1.0
     target_batch: float = 1.0
     draft_forward: list[float] = dataclasses.field(default_factory=list)  # calibrated D(m)
+    # Under load a verify also waits for the pass the target is running when it arrives
+    # (other sessions'): that wait, as a share of a pass, grows with the passes' length.
+    target_wait: float = 0.0
 
     @classmethod
     def calibrated(cls, target_ms: list[float], draft_ms: list[float]) -> "Costs":
@@ -72,9 +75,14 @@ class Costs:
                         + depth * _curve(self.draft_forward, (k + 1) * width)) \
             + self.draft_call_ms
 
+    def pass_ms(self, tokens: float) -> float:
+        """One target forward pass over ``tokens`` new tokens (every session's)."""
+        return self.forward_ms(tokens) * self.target_scale
+
     def verify_ms(self, k: int) -> float:
-        """A verify call for a block of k."""
-        return self.forward_ms(self.target_batch * (k + 1)) * self.target_scale + \
+        """A verify call for a block of k: its pass, the wait for the pass in progress when
+        it arrives, and the call's own time."""
+        return self.pass_ms(self.target_batch * (k + 1)) * (1.0 + self.target_wait) + \
             self.target_call_ms
 
     def draft_ms(self, k: int) -> float:
@@ -93,11 +101,43 @@ def _curve(t: list[float], tokens: float) -> float:
     return t[-1] + slope * (tokens - n)
 
 
+@dataclasses.dataclass
 class LiveCosts(Costs):
     """Costs that follow the calls as they happen (decayed averages; one per orchestrator, so a
-    new generation starts from what the last ones saw)."""
+    new generation starts from what the last ones saw).
+
+    While the target batches other sessions, its passes are costed by a line fitted to the
+    verify calls' own passes (compute ms against the pass's tokens, every session's; decayed
+    least squares) instead of the scaled start-up calibration, which times one session over
+    m tokens: a pass over several sessions costs more per token than that (measured here on
+    one core: 5 sessions x 2-3 tokens ~3.5 ms per token more than 6 x 1, against ~1.2 ms
+    along the calibration), so k stays 0 where speculation only lengthens the batch's passes.
+    """
 
     decay: float = 0.9
+    fit_decay: float = 0.97
+    # decayed sums of the target's passes: weight, tokens, ms, tokens^2, tokens * ms
+    passes: list[float] = dataclasses.field(default_factory=lambda: [0.0] * 5)
+
+    def pass_ms(self, tokens: float) -> float:
+        line = self._pass_line() if self.target_batch > 1.5 else None
+        if line is None:
+            return super().pass_ms(tokens)
+        intercept, slope = line
+        return max(intercept + slope * tokens, 0.0)
+
+    def _pass_line(self) -> tuple[float, float] | None:
+        """(ms, ms per token) of the fitted pass cost, or None while the passes seen are too
+        few or too alike to tell a slope."""
+        w, sx, sy, sxx, sxy = self.passes
+        if w < 6.0:
+            return None
+        mx, my = sx / w, sy / w
+        var = sxx / w - mx * mx
+        if var < 0.5:
+            return None
+        slope = max((sxy / w - mx * my) / var, 0.0)
+        return my - slope * mx, slope
 
     def observe(self, rec) -> None:
         """Fold in one call (an orchestrator.service_clients.CallRecord)."""
@@ -107,11 +147,18 @@ class LiveCosts(Costs):
         d = self.decay
         if rec.service == "target":
             batch = max(rec.batch_size, 1)
-            expected = self.forward_ms(batch * (rec.sent_tokens + rec.tokens))
+            tokens = rec.pass_tokens or batch * (rec.sent_tokens + rec.tokens)
             self.target_scale = d * self.target_scale + (1 - d) * rec.compute_ms / max(
-                expected, 1e-6)
+                self.forward_ms(tokens), 1e-6)
             self.target_batch = d * self.target_batch + (1 - d) * batch
-            self.target_call_ms = d * self.target_call_ms + (1 - d) * beyond
+            if batch == 1:  # nothing to wait for: the call's own time
+                self.target_call_ms = d * self.target_call_ms + (1 - d) * beyond
+                wait = 0.0
+            else:
+                wait = max(0.0, beyond - self.target_call_ms) / max(rec.compute_ms, 1e-6)
+            self.target_wait = d * self.target_wait + (1 - d) * wait
+            g, x, y = self.fit_decay, float(tokens), rec.compute_ms
+            self.passes = [g * a + b for a, b in zip(self.passes, (1.0, x, y, x * x, x * y))]
         elif rec.tokens > 0 and not rec.branches:  # (a branch call is costed apart)
             # A draft call runs one pass per token (the first also takes the committed tokens).
             self.draft_step_ms = d * self.draft_step_ms + (1 - d) * rec.compute_ms / rec.tokens

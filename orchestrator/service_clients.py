@@ -91,6 +91,7 @@ class CallRecord:
     batch_size: int = 1  # sessions that shared the service's forward pass
     sent_tokens: int = 0  # committed tokens the call appended to the service's cache
     branches: int = 0  # a speculation-cache call: the branches it drafted
+    pass_tokens: int = 0  # a verify: new tokens of every session in its forward pass
 
 
 class Backoff:
@@ -395,7 +396,7 @@ class TargetClient(ServiceClient):
             self.known[session_id] = history.tokens + list(draft_tokens[: resp.num_accepted])
             return resp, CallRecord("target", start, end, resp.compute_ms, len(draft_tokens),
                                     re_prefilled=re_prefilled, batch_size=resp.batch_size,
-                                    sent_tokens=len(tokens))
+                                    sent_tokens=len(tokens), pass_tokens=resp.pass_tokens)
 
     async def close_session(self, session_id: str) -> None:
         call = self._streams.pop(session_id, None)

@@ -43,6 +43,7 @@ class TargetServicer(CommonServicerMixin, pb_grpc.TargetServiceServicer):
             cache_len=result.cache_len,
             compute_ms=work.compute_s * 1000.0,
             batch_size=work.batch_size,
+            pass_tokens=work.pass_tokens,
             logprobs=_wire_logprobs(result.logprobs),
             prompt_logprobs=_wire_logprobs(result.prompt_logprobs),
         )

@@ -56,8 +56,12 @@ def test_concurrent_sessions_equal_their_solo_runs(tiny_models, batching_service
         assert b.token_ids == a.token_ids, case
         if "sampling" not in case:
             assert b.token_ids == hf_greedy(tiny_models["target"], case["prompt"], case["max_new"])
-    batch_sizes = [c.batch_size for r in together for c in r.stats.calls if c.service == "target"]
-    assert max(batch_sizes) > 1  # sessions really shared forward passes
+    verifies = [c for r in together for c in r.stats.calls if c.service == "target"]
+    assert max(c.batch_size for c in verifies) > 1  # sessions really shared forward passes
+    # a pass's tokens are every session's: at least one each, and this call's own
+    for c in verifies:
+        assert c.pass_tokens >= max(c.batch_size, c.tokens + 1), c
+    assert any(c.pass_tokens > c.tokens + c.sent_tokens for c in verifies)
     rt = batching_services["target"].runtime
     assert rt.scheduler.forward_passes < rt.calls  # fewer passes than calls overall
     assert len(rt.store) == 0 and len(batching_services["draft"].runtime.store) == 0

@@ -10,9 +10,9 @@ CURVE = [30.0, 31, 31, 31, 31, 32, 33, 35, 36, 37, 38, 39, 40, 41, 43, 44]
 
 
 def rec(service, compute_ms, tokens, sent=1, rpc_extra_ms=2.0, batch=1, outcome="ok",
-        re_prefilled=False):
+        re_prefilled=False, pass_tokens=0):
     return CallRecord(service, 0.0, (compute_ms + rpc_extra_ms) / 1000.0, compute_ms, tokens,
-                      outcome, re_prefilled, batch, sent)
+                      outcome, re_prefilled, batch, sent, pass_tokens=pass_tokens)
 
 
 def live():
@@ -40,14 +40,19 @@ def test_prefills_cancellations_and_re_prefills_are_not_steady_costs():
     assert vars(costs) == before
 
 
-def _k_after(costs, batch, rounds=60, acceptance=0.6):
+def _k_after(costs, batch, rounds=60, acceptance=0.6, pass_ms=None, wait=0.0):
     """k after ``rounds`` rounds against a target batching ``batch`` sessions, with a draft
-    whose every token is accepted with probability ``acceptance``."""
+    whose every token is accepted with probability ``acceptance``. The target's pass over m
+    tokens costs ``pass_ms(m)`` (default: its calibration), and a call also waits ``wait``
+    of a pass for the one in progress."""
     rng = random.Random(0)
     ctl = KController(CURVE, [3.0], costs=costs)
+    pass_ms = pass_ms or costs.forward_ms
     for _ in range(rounds):
         k = ctl.next_k()
-        costs.observe(rec("target", costs.forward_ms(batch * (k + 1)), k, batch=batch))
+        m = batch * (k + 1)
+        costs.observe(rec("target", pass_ms(m), k, batch=batch, pass_tokens=m,
+                          rpc_extra_ms=2.0 + wait * pass_ms(m)))
         accepted = 0
         while accepted < k and rng.random() < acceptance:
             accepted += 1
@@ -61,6 +66,25 @@ def test_k_falls_to_zero_under_a_large_batch_and_rises_when_it_empties():
     assert alone >= 2  # a flat verify pass and a good draft: speculate
     assert _k_after(costs, batch=64) == 0  # k + 1 tokens per session cost the whole batch
     assert _k_after(costs, batch=1) >= 2  # the batch emptied: speculation resumes
+
+
+def test_k_follows_what_batched_passes_cost_not_the_one_session_calibration():
+    """Batched, the target's pass grows 3.5 ms per token (several sessions' rows) where its
+    one-session calibration grows ~1 ms, and each call waits half a pass for the one in
+    progress: k is costed by what the passes cost, so it stays 0 at 8 sessions, though the
+    calibration alone would speculate there."""
+    def batched(m):
+        return 20.0 + 3.5 * m
+
+    costs = live()
+    assert _k_after(costs, batch=8, acceptance=0.5, pass_ms=batched, wait=0.5) == 0
+    assert costs.target_wait > 0.4 and costs._pass_line() is not None
+    slope = costs._pass_line()[1]
+    assert 3.0 < slope < 4.0
+    calibrated = live()  # what the model predicts from the calibration alone, at this load
+    calibrated.target_batch = 8.0
+    assert KController(CURVE, [3.0], costs=calibrated).best_k(0.5) > 0
+    assert _k_after(costs, batch=1) >= 2  # alone again: the calibration, and speculation
 
 
 def test_rejection_sampled_requests_keep_the_calibrated_costs():

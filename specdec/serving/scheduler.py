@@ -39,6 +39,7 @@ class Work(Protocol):
     cancelled: bool
     compute_s: float  # time of the passes this work took part in (set by the scheduler)
     batch_size: int  # sessions in the last pass it took part in
+    pass_tokens: int  # new tokens of every session in that pass
 
     def start(self) -> None:
         """Resolve the session and check the call (raises to fail the call)."""
@@ -209,12 +210,14 @@ class BatchScheduler:
             return
         elapsed = time.perf_counter() - started
         self.forward_passes += 1
+        pass_tokens = sum(int(p.tokens.shape[0]) for p in flat)
         at = 0
         for entry, group, many in pieces:
             lg = logits[at:at + len(group)] if many else logits[at]
             at += len(group)
             entry.work.compute_s += elapsed
             entry.work.batch_size = len(flat)
+            entry.work.pass_tokens = pass_tokens
             if entry.future.done():  # cancelled while its piece ran
                 continue
             try:

@@ -139,7 +139,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "cache_len", "compute_ms", "batch_size", "logprobs", "prompt_logprobs")
+    __slots__ = ("num_accepted", "next_token", "cache_len", "compute_ms", "batch_size", "logprobs", "prompt_logprobs", "pass_tokens")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,7 @@ class VerifyResponse(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     cache_len: int
@@ -154,7 +155,8 @@ class VerifyResponse(_message.Message):
     batch_size: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ...) -> None: ...
+    pass_tokens: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pass_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
