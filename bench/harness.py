@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 
 from specdec.models.hf_generate import SYSTEMS as HF_SYSTEMS
@@ -101,6 +102,7 @@ class SpecdecSystems:
             raise
         self.target_spec = target
         self.split = bool(cores)
+        self.cores = cores
         self.rtts = list(rtts)
         self.orchestrators: dict[tuple[str, float], object] = {}
         self.loop = asyncio.new_event_loop()
@@ -116,6 +118,12 @@ class SpecdecSystems:
             self.proxies.append(proxy)
             return proxy.address
 
+        if self.split:
+            # The orchestrator (this thread, and the gRPC threads its channels start) runs
+            # beside the draft, so the target's cores are the target's alone, as they are the
+            # HF baselines' (which pin themselves there for each run). Deployed, the
+            # orchestrator has hardware of its own.
+            os.sched_setaffinity(0, self.cores["draft"])
         pairs = {"target": None, "draft": "draft", "ngram": "ngram"}
         for rtt in self.rtts:
             t = via(self.processes["target"].address, rtt)

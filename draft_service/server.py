@@ -59,6 +59,10 @@ class DraftServicer(CommonServicerMixin, pb_grpc.DraftServiceServicer):
     async def Propose(self, request, context):
         return await self._propose(request, context)
 
+    async def ProposeStream(self, request_iterator, context):
+        async for request in request_iterator:
+            yield await self._propose(request, context)
+
 
 def make_host(config: ServiceConfig, target: str = "default", q_top_k: int = 64) -> ServiceHost:
     build = functools.partial(build_draft, target=target, q_top_k=q_top_k)

@@ -132,6 +132,8 @@ class ServiceClient:
         self.info: pb.ModelInfo | None = None
         # session id -> the tokens this service's cache holds for it (as far as we know)
         self.known: dict[str, list[int]] = {}
+        # session id -> its open stream, while no call is in flight on it (_stream_call)
+        self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
 
     async def wait_ready(self, timeout_s: float = 300.0) -> pb.ModelInfo:
         """Wait until the service answers GetInfo (it is UNAVAILABLE while loading).
@@ -188,8 +190,47 @@ class ServiceClient:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
 
+    def _open_stream(self) -> grpc.aio.StreamStreamCall:
+        """A new stream of this service's calls (VerifyStream / ProposeStream)."""
+        raise NotImplementedError
+
+    async def _stream_call(self, session_id: str, req, timeout_s: float):
+        """One call over the session's stream, opened on first use.
+
+        The stream is taken out while its call is in flight: a second call for the session
+        meanwhile (a new draft call while a cancelled one winds down) opens a stream of its
+        own, and a call that fails or is cancelled takes its stream down with it.
+        """
+        call = self._streams.pop(session_id, None) or self._open_stream()
+        try:
+            await call.write(req)
+            resp = await asyncio.wait_for(call.read(), timeout_s)
+        except grpc.aio.AioRpcError:
+            raise
+        except asyncio.InvalidStateError:  # the stream ended (e.g. the service went away)
+            raise grpc.aio.AioRpcError(await call.code(), None, None,
+                                       details=await call.details()) from None
+        except BaseException:
+            call.cancel()
+            raise
+        if resp is grpc.aio.EOF:
+            code = await call.code()
+            raise grpc.aio.AioRpcError(code, None, None, details=await call.details())
+        if session_id in self._streams:  # one is enough
+            call.cancel()
+        else:
+            self._streams[session_id] = call
+        return resp
+
     async def close_session(self, session_id: str) -> None:
         self.known.pop(session_id, None)
+        call = self._streams.pop(session_id, None)
+        if call is not None:
+            try:
+                await call.done_writing()
+            except Exception:
+                pass
+            call.cancel()
         try:
             await self.stub.CloseSession(pb.CloseRequest(session_id=session_id), timeout=5)
         except grpc.aio.AioRpcError as exc:  # best effort: the TTL reclaims it otherwise
@@ -218,6 +259,9 @@ class DraftClient(ServiceClient):
         self.down = False
         self.backoff = Backoff()
         self._probe_lock = asyncio.Lock()
+
+    def _open_stream(self) -> grpc.aio.StreamStreamCall:
+        return self.stub.ProposeStream()
 
     def mark_failed(self) -> None:
         if not self.down:
@@ -295,7 +339,12 @@ class DraftClient(ServiceClient):
             ref, tokens = self.ref(session_id, seq, resend_from)
             start = time.perf_counter()
             try:
-                resp = await self.stub.Propose(request(ref, tokens), timeout=self.draft_timeout_s)
+                resp = await self._stream_call(session_id, request(ref, tokens),
+                                               self.draft_timeout_s)
+            except asyncio.TimeoutError:
+                self.forget(session_id)
+                raise ServiceError("draft", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"no proposal within {self.draft_timeout_s}s") from None
             except grpc.aio.AioRpcError as exc:
                 err = self._error(exc)
                 self.forget(session_id)
@@ -325,32 +374,9 @@ class TargetClient(ServiceClient):
         super().__init__(*args, **kwargs)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.unavailable_deadline_s = unavailable_deadline_s
-        self._streams: dict[str, grpc.aio.StreamStreamCall] = {}
 
-    async def _call(self, session_id: str, req: pb.VerifyRequest) -> pb.VerifyResponse:
-        """One verify over the session's stream (opened on its first call)."""
-        call = self._streams.get(session_id)
-        if call is None:
-            call = self._streams[session_id] = self.stub.VerifyStream()
-        try:
-            await call.write(req)
-            resp = await asyncio.wait_for(call.read(), self.timeout_s)
-        except grpc.aio.AioRpcError:
-            self._streams.pop(session_id, None)
-            raise
-        except asyncio.InvalidStateError:  # the stream ended (e.g. the target went away)
-            self._streams.pop(session_id, None)
-            raise grpc.aio.AioRpcError(await call.code(), None, None,
-                                       details=await call.details()) from None
-        except BaseException:
-            self._streams.pop(session_id, None)
-            call.cancel()
-            raise
-        if resp is grpc.aio.EOF:
-            self._streams.pop(session_id, None)
-            code = await call.code()
-            raise grpc.aio.AioRpcError(code, None, None, details=await call.details())
-        return resp
+    def _open_stream(self) -> grpc.aio.StreamStreamCall:
+        return self.stub.VerifyStream()
 
     async def verify(self, session_id: str, history: History, draft_tokens: list[int],
                      draft_dists, sampling: SamplingParams, request_id: str = "",
@@ -370,7 +396,7 @@ class TargetClient(ServiceClient):
                                    top_logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs)
             start = time.perf_counter()
             try:
-                resp = await self._call(session_id, req)
+                resp = await self._stream_call(session_id, req, self.timeout_s)
             except grpc.aio.AioRpcError as exc:
                 err = self._error(exc)
                 self.forget(session_id)
@@ -397,13 +423,3 @@ class TargetClient(ServiceClient):
             return resp, CallRecord("target", start, end, resp.compute_ms, len(draft_tokens),
                                     re_prefilled=re_prefilled, batch_size=resp.batch_size,
                                     sent_tokens=len(tokens), pass_tokens=resp.pass_tokens)
-
-    async def close_session(self, session_id: str) -> None:
-        call = self._streams.pop(session_id, None)
-        if call is not None:
-            try:
-                await call.done_writing()
-            except Exception:
-                pass
-            call.cancel()
-        await super().close_session(session_id)

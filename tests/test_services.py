@@ -177,3 +177,44 @@ def test_services_log_one_line_per_request(tiny_services, caplog):
         assert f"request={rid}" in line and "calls=" in line and "compute_ms=" in line
     target_line = next(line for line in lines if "accepted=" in line and "acceptance=" in line)
     assert f"accepted={result.stats.accepted_tokens}" in target_line
+
+
+def test_draft_calls_share_a_stream_per_session_and_a_cancelled_call_drops_only_its_own(
+        tiny_services):
+    """Draft calls go over one stream per session; cancelling one (a dropped speculative
+    propose) takes its stream down, and the session's next call, on a new stream, proposes
+    exactly what a fresh session would."""
+    import asyncio
+
+    from orchestrator.service_clients import DraftClient, History
+    from specdec.config import SamplingParams
+
+    async def main():
+        draft = DraftClient(tiny_services["draft"].address)
+        await draft.wait_ready()
+        try:
+            history, greedy = History(list(PROMPTS[0])), SamplingParams()
+            first, _ = await draft.propose("st-a", history, [], 3, greedy)
+            stream = draft._streams["st-a"]
+            history.extend(first.tokens[:1])
+            again, _ = await draft.propose("st-a", history, [], 3, greedy)
+            assert draft._streams["st-a"] is stream  # the same stream carried both calls
+            # a call cancelled in flight, then at once the next call for the session
+            slow = asyncio.create_task(draft.propose("st-a", history, list(again.tokens), 6,
+                                                     greedy))
+            await asyncio.sleep(0)
+            slow.cancel()
+            history.extend(again.tokens[:1])
+            after, _ = await draft.propose("st-a", history, [], 3, greedy)
+            with pytest.raises(asyncio.CancelledError):
+                await slow
+            assert draft._streams["st-a"] is not stream
+            fresh, _ = await draft.propose("st-b", History(list(history.tokens)), [], 3, greedy)
+            assert list(after.tokens) == list(fresh.tokens)
+            await draft.close_session("st-a")
+            await draft.close_session("st-b")
+            assert not draft._streams
+        finally:
+            await draft.close()
+
+    run(main())

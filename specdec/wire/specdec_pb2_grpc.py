@@ -45,6 +45,11 @@ class DraftServiceStub:
                 request_serializer=specdec_dot_wire_dot_specdec__pb2.DraftRequest.SerializeToString,
                 response_deserializer=specdec_dot_wire_dot_specdec__pb2.DraftResponse.FromString,
                 _registered_method=True)
+        self.ProposeStream = channel.stream_stream(
+                '/specdec.v1.DraftService/ProposeStream',
+                request_serializer=specdec_dot_wire_dot_specdec__pb2.DraftRequest.SerializeToString,
+                response_deserializer=specdec_dot_wire_dot_specdec__pb2.DraftResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specdec.v1.DraftService/CloseSession',
                 request_serializer=specdec_dot_wire_dot_specdec__pb2.CloseRequest.SerializeToString,
@@ -70,8 +75,16 @@ class DraftServiceServicer:
 
     def Propose(self, request, context):
         """One call: (truncate to prefix,) append tokens, propose k.
-        (Unary on purpose: a speculative propose is cancelled by cancelling its call, which a
-        shared stream could not do without dropping the calls queued behind it.)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProposeStream(self, request_iterator, context):
+        """The same calls over one stream per session, one call at a time (the round loop's
+        channel: a call on an open stream costs ~0.45 ms less than a unary call here).
+        Cancelling the stream cancels the call in flight; the client opens a new stream for
+        its next call, so a dropped speculative propose never holds up another.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -101,6 +114,11 @@ def add_DraftServiceServicer_to_server(servicer, server):
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
+                    request_deserializer=specdec_dot_wire_dot_specdec__pb2.DraftRequest.FromString,
+                    response_serializer=specdec_dot_wire_dot_specdec__pb2.DraftResponse.SerializeToString,
+            ),
+            'ProposeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ProposeStream,
                     request_deserializer=specdec_dot_wire_dot_specdec__pb2.DraftRequest.FromString,
                     response_serializer=specdec_dot_wire_dot_specdec__pb2.DraftResponse.SerializeToString,
             ),
@@ -168,6 +186,33 @@ class DraftService:
             request,
             target,
             '/specdec.v1.DraftService/Propose',
+            specdec_dot_wire_dot_specdec__pb2.DraftRequest.SerializeToString,
+            specdec_dot_wire_dot_specdec__pb2.DraftResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProposeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.DraftService/ProposeStream',
             specdec_dot_wire_dot_specdec__pb2.DraftRequest.SerializeToString,
             specdec_dot_wire_dot_specdec__pb2.DraftResponse.FromString,
             options,
