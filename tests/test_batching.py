@@ -41,8 +41,13 @@ async def _run_cases(services, cases, cancel_index=None):
         reqs = [GenerationRequest(c["prompt"], c["max_new"], c.get("sampling", SamplingParams()),
                                   [], c["mode"], c["k"]) for c in cases]
         tasks = [asyncio.create_task(orch.generate(r)) for r in reqs]
-        if cancel_index is not None:
-            await asyncio.sleep(0.05)
+        if cancel_index is not None:  # once its session is on the target, mid-generation
+            store = services["target"].runtime.store
+            prefix = reqs[cancel_index].request_id + "-"
+            for _ in range(5000):
+                if any(sid.startswith(prefix) for sid in store.ids()):
+                    break
+                await asyncio.sleep(0.001)
             tasks[cancel_index].cancel()
         return await asyncio.gather(*tasks, return_exceptions=True)
     finally:

@@ -133,7 +133,17 @@ def http(services):
     host.stop()
 
 
-def check_http_answer(r: httpx.Response) -> None:
+def _choices_asked(body) -> int:
+    """The number of choices a request asks for (``n``; 1 when absent or not a body)."""
+    try:
+        n = json.loads(body).get("n", 1) if isinstance(body, (str, bytes)) else 1
+    except (ValueError, AttributeError):
+        return 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
+def check_http_answer(r: httpx.Response, n: int = 1) -> None:
+    """A 400 in OpenAI's error shape, or a 200 with ``n`` choices (streamed: ``n`` finishes)."""
     assert r.status_code in (200, 400), (r.status_code, r.text[:500])
     if r.status_code == 400:
         err = r.json()["error"]
@@ -143,7 +153,7 @@ def check_http_answer(r: httpx.Response) -> None:
         return
     if not r.headers["content-type"].startswith("text/event-stream"):
         body = r.json()
-        assert len(body["choices"]) == 1 and body["usage"]["completion_tokens"] >= 0
+        assert len(body["choices"]) == n and body["usage"]["completion_tokens"] >= 0
         return
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -151,13 +161,13 @@ def check_http_answer(r: httpx.Response) -> None:
         assert "error" not in event, event  # a stream that began must end well
     finishes = [c["finish_reason"] for e in map(json.loads, events[:-1])
                 for c in e["choices"] if c["finish_reason"]]
-    assert len(finishes) == 1 and finishes[0] in ("stop", "length")
+    assert len(finishes) == n and set(finishes) <= {"stop", "length"}
 
 
 def post(http, path: str, body) -> None:
     r = http.post(path, content=body, headers={"content-type": "application/json"})
     event(f"HTTP {r.status_code}")  # --hypothesis-show-statistics shows the mix
-    check_http_answer(r)
+    check_http_answer(r, _choices_asked(body))
 
 
 @FUZZ
