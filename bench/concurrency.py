@@ -28,7 +28,7 @@ def _percentile(xs: list[float], q: float) -> float:
 
 def run_levels(levels: list[int], prompt_ids: list[list[int]], max_new: int, hf, spd,
                k: int | None) -> dict:
-    from bench.harness import _SPECDEC
+    from bench.harness import SPECDEC_RUNS
     from orchestrator.generation import GenerationRequest
 
     reference: dict[int, list[int]] = {}
@@ -47,7 +47,7 @@ def run_levels(levels: list[int], prompt_ids: list[list[int]], max_new: int, hf,
                         outputs.append(tokens)
                         bar.update(1)
                 else:
-                    orch_name, mode, branches = _SPECDEC[system]
+                    orch_name, mode, branches = SPECDEC_RUNS[system]
                     orch = spd.orchestrators[(orch_name, spd.rtts[0])]
 
                     async def one(ids):

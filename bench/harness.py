@@ -24,7 +24,7 @@ PROMPT_SETS = {"default": PROMPT_DIR / "default.jsonl", "grounded": PROMPT_DIR /
 SPECDEC_SYSTEMS = ("specdec-target-only", "specdec-spec", "specdec-pipelined",
                    "specdec-pipelined-plain", "specdec-ngram")
 # system -> (orchestrator, mode, speculation cache); "-plain": pipelining's single guess only
-_SPECDEC = {
+SPECDEC_RUNS = {
     "specdec-target-only": ("target", "target-only", True),
     "specdec-spec": ("draft", "spec", True),
     "specdec-pipelined": ("draft", "pipelined", True),
@@ -86,7 +86,7 @@ class SpecdecSystems:
             return service_args(model, n, list(extra))
 
         wanted = {"target": ("target", args("target", target))}
-        if any(_SPECDEC[s][0] == "draft" for s in systems if s in _SPECDEC):
+        if any(SPECDEC_RUNS[s][0] == "draft" for s in systems if s in SPECDEC_RUNS):
             wanted["draft"] = ("draft", args("draft", draft, ["--target", target]))
         if "specdec-ngram" in systems:
             wanted["ngram"] = ("draft", args("draft", "ngram", ["--target", target]))
@@ -144,7 +144,7 @@ class SpecdecSystems:
         from orchestrator.generation import GenerationRequest
         from specdec.config import SamplingParams
 
-        orch, mode, branches = _SPECDEC[system]
+        orch, mode, branches = SPECDEC_RUNS[system]
         rtt = self.rtts[0] if rtt is None else rtt
         req = GenerationRequest(prompt_ids, max_new, sampling or SamplingParams(), mode=mode, k=k,
                                 branches=branches)

@@ -109,9 +109,9 @@ class LiveCosts(Costs):
     While the target batches other sessions, its passes are costed by a line fitted to the
     verify calls' own passes (compute ms against the pass's tokens, every session's; decayed
     least squares) instead of the scaled start-up calibration, which times one session over
-    m tokens: a pass over several sessions costs more per token than that (measured here on
-    one core: 5 sessions x 2-3 tokens ~3.5 ms per token more than 6 x 1, against ~1.2 ms
-    along the calibration), so k stays 0 where speculation only lengthens the batch's passes.
+    m tokens: a pass over several sessions grows faster per token than that (measured here on
+    one core: ~3.5 ms per token from 6 sessions x 1 token to 5 x 2-3, against ~1.2 ms along
+    the calibration), so k stays 0 where speculation only lengthens the batch's passes.
     """
 
     decay: float = 0.9
@@ -120,6 +120,7 @@ class LiveCosts(Costs):
     passes: list[float] = dataclasses.field(default_factory=lambda: [0.0] * 5)
 
     def pass_ms(self, tokens: float) -> float:
+        # the line while passes hold more than one session on average; alone, the calibration
         line = self._pass_line() if self.target_batch > 1.5 else None
         if line is None:
             return super().pass_ms(tokens)

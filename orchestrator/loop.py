@@ -95,7 +95,7 @@ class Orchestrator:
         # Whether the draft shares the target's cores (local services specdec starts on one
         # machine). Then the speculation cache is off (its branches slow the verify pass: the
         # bench measured 9.2 tok/s with it against 21.0 without), and adaptive k drafts only
-        # while one generation runs (see _Drafting.next_k).
+        # while one generation runs (see _Drafting.crowded).
         self.shared_cores = False
         self.active = 0  # generations in progress
         # The cache's width control, shared by the generations (what a branch call costs

@@ -101,3 +101,14 @@ def test_bench_concurrency_runs_every_system_at_every_level_against_target_only(
         assert f"| {system} | {n} |" in stdout
     assert "| specdec-target-only | 2 | " in stdout and " | 1.00x | " in stdout
     assert (out / "concurrency.png").stat().st_size > 1000
+
+
+def test_rpc_floor_measures_both_call_kinds_at_each_wait():
+    """The model-free gRPC floor (bench.rpc_floor): a row per server-side wait, each with the
+    bidirectional stream's and the unary call's overhead beyond that wait."""
+    from bench import rpc_floor
+
+    rows = rpc_floor.main(["--wait-ms", "0,5", "--calls", "6"])
+    assert [r["wait_ms"] for r in rows] == [0, 5]
+    for r in rows:
+        assert r["stream_ms"] > 0 and r["unary_ms"] > 0
