@@ -181,10 +181,12 @@ def cmd_eval(args) -> int:
     if not draft_model.is_draft_dir(spec):
         raise SystemExit(f"error: {args.draft!r} is not a specdec draft directory")
     meta = draft_model.read_meta(spec)
+    engine, tokenizer, eos = _engine_and_tokenizer(meta["target"])  # once for every set
     report = {}
     for name in args.held_out.split(","):
         held = held_out_records(meta["target"], pathlib.Path(args.work), args.heldout_prompts,
-                                args.max_new_tokens, held_out=name.strip())
+                                args.max_new_tokens, engine, tokenizer, eos,
+                                held_out=name.strip())
         report[name.strip()] = distill.evaluate(spec, held, threads=args.threads)
     print(json.dumps(report, indent=2))
     return 0
