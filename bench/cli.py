@@ -32,7 +32,10 @@ def register(sub) -> None:
     b.add_argument("--out", default="bench/out", help="directory for the JSON and PNG plots")
     b.add_argument("--json", action="store_true", help="also print the summary as JSON")
     b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: throughput/latency vs concurrent "
-                   "requests (specdec pipelined, specdec target-only, HF one at a time)")
+                   "clients (specdec target-only, spec and pipelined; HF one at a time)")
+    b.add_argument("--requests-per-client", type=int, default=3,
+                   help="with --concurrency: requests each client sends, the next when its "
+                        "answer arrives")
     b.add_argument("--split", nargs="?", const="auto", metavar="TARGET:DRAFT",
                    help="separate hardware on one machine: the target service on some cores, "
                         "the draft on others, the HF baselines on the target's (e.g. 1:0, "
@@ -146,6 +149,8 @@ def cmd_concurrency(args) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     if any(n < 1 for n in levels):
         raise SystemExit("error: concurrency levels must be >= 1")
+    if args.requests_per_client < 1:
+        raise SystemExit("error: --requests-per-client must be >= 1")
     prompts = [p for name in args.prompts for p in load_prompts(name)]
     if args.limit:
         prompts = prompts[: args.limit]
@@ -157,13 +162,15 @@ def cmd_concurrency(args) -> int:
     try:
         spd.connect()
         ids = [encode_prompt(hf.tokenizer, p, None) for p in prompts]
-        summary = concurrency.run_levels(levels, ids, args.max_new_tokens, hf, spd, args.k)
+        summary = concurrency.run_levels(levels, ids, args.max_new_tokens, hf, spd, args.k,
+                                         args.requests_per_client)
     finally:
         spd.close()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary["command"] = f"specdec bench --concurrency {args.concurrency} " \
-                         f"--max-new-tokens {args.max_new_tokens}" + \
+                         f"--max-new-tokens {args.max_new_tokens} " \
+                         f"--requests-per-client {args.requests_per_client}" + \
                          (f" --split {args.split}" if args.split else "")
     summary["split"] = cores
     (out / "concurrency.json").write_text(json.dumps(summary, indent=1))

@@ -1,9 +1,12 @@
 """``specdec bench --concurrency``: throughput and latency as concurrent requests grow.
 
-For each level N, N requests start together. specdec serves them concurrently (the target
-batches their verify work, the draft their drafting); HF ``generate`` serves one request at a
-time, so its requests queue. Reported: aggregate tokens/s and per-request latency (p50/p95,
-from submission to the last token), and whether every greedy answer equals HF target-only's.
+For each level N, N clients send requests at once, each its next one when its answer arrives
+(a closed loop, ``--requests-per-client`` each), so N requests are in flight the whole run but
+for the last ones' drain. specdec serves them concurrently (the target batches their verify
+work, the draft their drafting); HF ``generate`` serves N requests one at a time, so its
+requests queue. Reported: aggregate tokens/s, per-request latency (p50/p95, from a request's
+submission to its last token), what specdec's rounds did, and whether every greedy answer
+equals HF target-only's.
 """
 
 from __future__ import annotations
@@ -27,53 +30,86 @@ def _percentile(xs: list[float], q: float) -> float:
 
 
 def run_levels(levels: list[int], prompt_ids: list[list[int]], max_new: int, hf, spd,
-               k: int | None) -> dict:
+               k: int | None, per_client: int = 3) -> dict:
+    """Each level N: specdec serves N clients at once, each sending its next request when its
+    answer arrives (a closed loop, as vLLM's ``benchmark_serving --max-concurrency``), for
+    ``per_client`` requests each, so N requests are in flight until the last ones drain; HF
+    serves N requests one at a time. Every answer is checked against HF target-only's."""
     from bench.harness import SPECDEC_RUNS
     from orchestrator.generation import GenerationRequest
 
+    def prompt(i: int) -> list[int]:
+        return prompt_ids[i % len(prompt_ids)]
+
     reference: dict[int, list[int]] = {}
+
+    def check(i: int, out: list[int]) -> bool:
+        key = i % len(prompt_ids)
+        if key not in reference:  # (untimed: outside every measured run)
+            reference[key] = hf.run("hf", prompt(i), max_new)[0]
+        return out != reference[key]
+
     rows = []
-    total = sum(levels) * len(SYSTEMS)
+    total = sum(n * (1 + per_client * (len(SYSTEMS) - 1)) for n in levels)
     with tqdm(total=total, desc="concurrency", unit="req") as bar:
         for n in levels:
-            batch = [prompt_ids[i % len(prompt_ids)] for i in range(n)]
             for system in SYSTEMS:
-                latencies, outputs = [], []
+                latencies, outputs, stats = [], [], []
                 t0 = time.perf_counter()
                 if system == "hf":
-                    for ids in batch:  # one at a time: later requests wait for earlier ones
-                        tokens, _ = hf.run("hf", ids, max_new)
+                    for i in range(n):  # one at a time: later requests wait for earlier ones
+                        tokens, _ = hf.run("hf", prompt(i), max_new)
                         latencies.append(time.perf_counter() - t0)
                         outputs.append(tokens)
+                        reference.setdefault(i % len(prompt_ids), tokens)
                         bar.update(1)
                 else:
                     orch_name, mode, branches = SPECDEC_RUNS[system]
                     orch = spd.orchestrators[(orch_name, spd.rtts[0])]
+                    results: dict[int, tuple] = {}
+                    queue = iter(range(n * per_client))
 
-                    async def one(ids):
-                        r = await orch.generate(GenerationRequest(ids, max_new, mode=mode, k=k,
-                                                                  branches=branches))
-                        bar.update(1)
-                        return r, time.perf_counter() - t0
+                    async def client(orch=orch, mode=mode, branches=branches, queue=queue,
+                                     results=results):
+                        for i in queue:  # the shared queue: whoever is free takes the next
+                            sent = time.perf_counter()
+                            r = await orch.generate(GenerationRequest(
+                                prompt(i), max_new, mode=mode, k=k, branches=branches))
+                            results[i] = (r, time.perf_counter() - sent)
+                            bar.update(1)
 
-                    async def all_of():
-                        return await asyncio.gather(*(one(ids) for ids in batch))
+                    async def all_of(n=n):
+                        await asyncio.gather(*(client() for _ in range(n)))
 
-                    for result, latency in spd.loop.run_until_complete(all_of()):
+                    spd.loop.run_until_complete(all_of())
+                    for i in sorted(results):
+                        result, latency = results[i]
                         latencies.append(latency)
                         outputs.append(result.token_ids)
+                        stats.append(result.stats)
                 wall = time.perf_counter() - t0
-                for i, out in enumerate(outputs):
-                    key = i % len(prompt_ids)
-                    if system == "hf":
-                        reference.setdefault(key, out)
-                mismatches = sum(
-                    out != reference.get(i % len(prompt_ids)) for i, out in enumerate(outputs))
+                mismatches = sum(check(i, out) for i, out in enumerate(outputs))
                 tokens = sum(len(o) for o in outputs)
-                rows.append(dict(system=system, concurrency=n, tokens=tokens, wall_s=wall,
-                                 tokens_per_s=tokens / wall, p50_s=_percentile(latencies, 0.5),
-                                 p95_s=_percentile(latencies, 0.95), mismatches=mismatches))
-    return {"rows": rows, "levels": levels}
+                rows.append(dict(system=system, concurrency=n, requests=len(outputs),
+                                 tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall,
+                                 p50_s=_percentile(latencies, 0.5),
+                                 p95_s=_percentile(latencies, 0.95), mismatches=mismatches,
+                                 **_round_stats(stats)))
+    return {"rows": rows, "levels": levels, "per_client": per_client}
+
+
+def _round_stats(stats: list) -> dict:
+    """What specdec's rounds did at this level, over every request (empty for HF)."""
+    rounds = sum(s.rounds for s in stats)
+    if not rounds:
+        return {}
+    drafted = sum(s.num_drafts for s in stats)
+    verdicts = sum(s.pipeline_hits + s.pipeline_misses for s in stats)
+    return dict(rounds=rounds, tokens_per_round=sum(sum(s.tokens_per_round) for s in stats) /
+                rounds, drafted_rounds=drafted / rounds,
+                crowded_rounds=sum(s.crowded_rounds for s in stats) / rounds,
+                cache_hit_rate=sum(s.pipeline_hits for s in stats) / verdicts if verdicts
+                else None)
 
 
 def table(summary: dict) -> str:
@@ -81,15 +117,21 @@ def table(summary: dict) -> str:
     alone = {r["concurrency"]: r["tokens_per_s"] for r in summary["rows"]
              if r["system"] == "specdec-target-only"}
     lines = ["| system | N | aggregate tok/s | vs N=1 | vs specdec-target-only | p50 latency s | "
-             "p95 latency s | mismatches |", "|---|---|---|---|---|---|---|---|"]
+             "p95 latency s | tokens/round | drafted rounds | mismatches |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         rel = r["tokens_per_s"] / base[r["system"]] if base.get(r["system"]) else float("nan")
         vs = r["tokens_per_s"] / alone[r["concurrency"]] if alone.get(r["concurrency"]) else \
             float("nan")
         lines.append(f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
                      f"{rel:.2f}x | {vs:.2f}x | {r['p50_s']:.2f} | {r['p95_s']:.2f} | "
+                     f"{_num(r.get('tokens_per_round'))} | {_num(r.get('drafted_rounds'))} | "
                      f"{r['mismatches']} |")
     return "\n".join(lines)
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def plot(summary: dict, out) -> object:

@@ -92,6 +92,7 @@ class CallRecord:
     sent_tokens: int = 0  # committed tokens the call appended to the service's cache
     branches: int = 0  # a speculation-cache call: the branches it drafted
     pass_tokens: int = 0  # a verify: new tokens of every session in its forward pass
+    queued_ms: float = 0.0  # a verify: its wait in the target before its first pass
 
 
 class Backoff:
@@ -422,4 +423,5 @@ class TargetClient(ServiceClient):
             self.known[session_id] = history.tokens + list(draft_tokens[: resp.num_accepted])
             return resp, CallRecord("target", start, end, resp.compute_ms, len(draft_tokens),
                                     re_prefilled=re_prefilled, batch_size=resp.batch_size,
-                                    sent_tokens=len(tokens), pass_tokens=resp.pass_tokens)
+                                    sent_tokens=len(tokens), pass_tokens=resp.pass_tokens,
+                                    queued_ms=resp.queued_ms)

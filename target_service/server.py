@@ -44,6 +44,7 @@ class TargetServicer(CommonServicerMixin, pb_grpc.TargetServiceServicer):
             compute_ms=work.compute_s * 1000.0,
             batch_size=work.batch_size,
             pass_tokens=work.pass_tokens,
+            queued_ms=work.queued_s * 1000.0,
             logprobs=_wire_logprobs(result.logprobs),
             prompt_logprobs=_wire_logprobs(result.prompt_logprobs),
         )

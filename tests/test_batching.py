@@ -67,6 +67,11 @@ def test_concurrent_sessions_equal_their_solo_runs(tiny_models, batching_service
     for c in verifies:
         assert c.pass_tokens >= max(c.batch_size, c.tokens + 1), c
     assert any(c.pass_tokens > c.tokens + c.sent_tokens for c in verifies)
+    # each verify's wait before its first pass is within the call, and calls that arrived
+    # during another session's pass waited for it
+    for c in verifies:
+        assert 0.0 <= c.queued_ms <= (c.end - c.start) * 1000.0, c
+    assert any(c.queued_ms > 1.0 for c in verifies)
     rt = batching_services["target"].runtime
     assert rt.scheduler.forward_passes < rt.calls  # fewer passes than calls overall
     assert len(rt.store) == 0 and len(batching_services["draft"].runtime.store) == 0

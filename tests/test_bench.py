@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_bench_prints_the_table_writes_json_and_plots_and_checks_every_system(tmp_path, tiny_models):
     prompts = tmp_path / "p.jsonl"
@@ -89,7 +91,7 @@ def test_bench_concurrency_runs_every_system_at_every_level_against_target_only(
     stdout = _cli("bench", "--concurrency", "1,2", "--prompts", str(prompts),
                   "--target", tiny_models["target"], "--draft", tiny_models["near_draft"],
                   "--max-new-tokens", "8", "--threads", "1", "--hf-threads", "1",
-                  "--out", str(out))
+                  "--requests-per-client", "2", "--out", str(out))
     assert "every answer's greedy token ids equal HF target-only's" in stdout
     assert "vs specdec-target-only" in stdout
     data = json.loads((out / "concurrency.json").read_text())
@@ -99,7 +101,18 @@ def test_bench_concurrency_runs_every_system_at_every_level_against_target_only(
     for (system, n), r in rows.items():
         assert r["mismatches"] == 0 and r["tokens"] > 0, system
         assert f"| {system} | {n} |" in stdout
+        # specdec's clients send 2 requests each (the next when the answer arrives); HF n
+        assert r["requests"] == (n if system == "hf" else 2 * n), (system, n)
     assert "| specdec-target-only | 2 | " in stdout and " | 1.00x | " in stdout
+    # what the rounds did: target-only never drafts, spec alone drafts (a near draft), and
+    # every row's tokens per round matches its tokens over its rounds
+    assert rows[("specdec-target-only", 2)]["drafted_rounds"] == 0
+    assert rows[("specdec-target-only", 2)]["tokens_per_round"] == 1.0
+    assert rows[("specdec-spec", 1)]["drafted_rounds"] > 0
+    assert "tokens_per_round" not in rows[("hf", 1)]
+    for (system, n), r in rows.items():
+        if system != "hf":
+            assert r["tokens_per_round"] == pytest.approx(r["tokens"] / r["rounds"]), system
     assert (out / "concurrency.png").stat().st_size > 1000
 
 

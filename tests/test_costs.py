@@ -10,9 +10,12 @@ CURVE = [30.0, 31, 31, 31, 31, 32, 33, 35, 36, 37, 38, 39, 40, 41, 43, 44]
 
 
 def rec(service, compute_ms, tokens, sent=1, rpc_extra_ms=2.0, batch=1, outcome="ok",
-        re_prefilled=False, pass_tokens=0):
-    return CallRecord(service, 0.0, (compute_ms + rpc_extra_ms) / 1000.0, compute_ms, tokens,
-                      outcome, re_prefilled, batch, sent, pass_tokens=pass_tokens)
+        re_prefilled=False, pass_tokens=0, queued_ms=0.0):
+    """A call of ``compute_ms`` that took ``queued_ms`` (its wait in the service) + ``rpc_extra_ms``
+    more."""
+    return CallRecord(service, 0.0, (compute_ms + queued_ms + rpc_extra_ms) / 1000.0,
+                      compute_ms, tokens, outcome, re_prefilled, batch, sent,
+                      pass_tokens=pass_tokens, queued_ms=queued_ms)
 
 
 def live():
@@ -28,6 +31,18 @@ def test_costs_follow_the_calls():
     assert abs(costs.target_call_ms - 2.0) < 0.01
     assert abs(costs.draft_step_ms - 5.0) < 0.01 and abs(costs.draft_call_ms - 3.0) < 0.01
     assert abs(costs.verify_ms(4) - (31.0 * 60.0 / 31.0 + 2.0)) < 0.1
+
+
+def test_a_wait_in_the_target_is_costed_as_a_wait_not_as_the_calls_own_time():
+    """A call that arrived during another session's pass waited for it (the target reports
+    queued_ms): that wait is a share of a pass, which grows with the batch's blocks, not the
+    call's own time, which every k pays alike (a 20 ms call time would make long blocks look
+    cheap under load)."""
+    costs = live()
+    for _ in range(80):
+        costs.observe(rec("target", 40.0, 1, queued_ms=20.0))
+    assert abs(costs.target_call_ms - 2.0) < 0.05
+    assert abs(costs.target_wait - 0.5) < 0.01
 
 
 def test_prefills_cancellations_and_re_prefills_are_not_steady_costs():
@@ -52,7 +67,7 @@ def _k_after(costs, batch, rounds=60, acceptance=0.6, pass_ms=None, wait=0.0):
         k = ctl.next_k()
         m = batch * (k + 1)
         costs.observe(rec("target", pass_ms(m), k, batch=batch, pass_tokens=m,
-                          rpc_extra_ms=2.0 + wait * pass_ms(m)))
+                          queued_ms=wait * pass_ms(m)))
         accepted = 0
         while accepted < k and rng.random() < acceptance:
             accepted += 1

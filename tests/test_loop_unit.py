@@ -45,6 +45,7 @@ class FakeTarget:
         self.calls = 0
         self.eos_after = eos_after  # emit EOS as the target's token once this many are out
         self.verified: list[tuple[list[int], list[int]]] = []  # (history, block) per call
+        self.compute_ms = 1.0  # what each verify reports as its pass's time
 
     def next_token(self, seq: list[int], prompt_len: int) -> int:
         if self.eos_after is not None and len(seq) - prompt_len >= self.eos_after:
@@ -66,8 +67,10 @@ class FakeTarget:
             seq.append(tok)
             accepted += 1
         resp = pb.VerifyResponse(num_accepted=accepted,
-                                 next_token=self.next_token(seq, prompt_len), compute_ms=1.0)
-        return resp, CallRecord("target", start, time.perf_counter(), 1.0, len(draft_tokens))
+                                 next_token=self.next_token(seq, prompt_len),
+                                 compute_ms=self.compute_ms)
+        return resp, CallRecord("target", start, time.perf_counter(), self.compute_ms,
+                                len(draft_tokens))
 
     async def close_session(self, session_id):
         pass
@@ -182,6 +185,21 @@ def test_pipelined_rounds_hit_and_miss_with_a_poor_draft_and_cancel_the_misses()
     assert s.tokens_per_round and max(s.tokens_per_round) >= 2
 
 
+def test_sequential_rounds_prefill_the_draft_beside_the_targets_prefill():
+    """spec's first round verifies no block: the draft prefills the prompt (a 1-token call)
+    while the target prefills it, and the next round's draft call goes after that one."""
+    draft = FakeDraft(wrong_every=5)
+    result = generate("spec", 3, draft=draft, max_new=20)
+    assert result.token_ids == target_text([5, 11, 23], 20)
+    calls = result.stats.calls
+    first_verify = next(c for c in calls if c.service == "target")
+    warmup, *later = [c for c in calls if c.service == "draft"]
+    assert warmup.tokens == 1 and warmup.start < first_verify.end  # beside the prefill
+    assert result.stats.tokens_per_round[0] == 1 and result.stats.draft_tokens > 0
+    assert later and all(c.start >= warmup.end for c in later)  # one call at a time
+    assert draft.calls == len(later) + 1
+
+
 def test_eos_ends_the_generation_where_the_target_emits_it():
     for mode in ("target-only", "spec", "pipelined"):
         result = generate(mode, 3, target=FakeTarget(eos_after=9))
@@ -263,6 +281,7 @@ def test_generations_sharing_the_cores_draft_only_while_alone(shared):
     rounds) and a generation drafts again once it is alone; elsewhere all of them draft."""
     target, draft = FakeTarget(), FakeDraft(wrong_every=5)
     target.prompt_len = 3
+    target.compute_ms = 10.0  # as calibrated: a verify costs 10x a draft step
     orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
     orch.shared_cores = shared
 
@@ -284,7 +303,7 @@ def test_generations_sharing_the_cores_draft_only_while_alone(shared):
     assert 0 < long.stats.crowded_rounds < long.stats.rounds
     assert long.stats.draft_tokens > 0 and k[-1] > 0
     assert orch.active == 0
-    # alone, a generation on shared cores drafts from its first round
+    # alone, a generation on shared cores drafts
     alone = asyncio.run(orch.generate(req(12)))
     assert alone.stats.crowded_rounds == 0 and alone.stats.draft_tokens > 0
     # a request whose text depends on k (the rejection rule), or with a fixed k, keeps it

@@ -94,6 +94,7 @@ class DraftWork:
         self.compute_s = 0.0
         self.batch_size = 0
         self.pass_tokens = 0
+        self.queued_s = 0.0
         self._fed = 0
         self._piece_len = 0
         self.drafted: list[int] = []

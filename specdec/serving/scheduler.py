@@ -40,6 +40,7 @@ class Work(Protocol):
     compute_s: float  # time of the passes this work took part in (set by the scheduler)
     batch_size: int  # sessions in the last pass it took part in
     pass_tokens: int  # new tokens of every session in that pass
+    queued_s: float  # from submission to the start of its first pass (set by the scheduler)
 
     def start(self) -> None:
         """Resolve the session and check the call (raises to fail the call)."""
@@ -64,7 +65,8 @@ class Work(Protocol):
 class _Entry:
     work: Work
     future: concurrent.futures.Future
-    queued_at: float
+    queued_at: float  # time.monotonic() at submission
+    ran: bool = False  # it has taken part in a pass
 
 
 def _settle(future: concurrent.futures.Future, result=None, exc: BaseException | None = None) -> None:
@@ -199,6 +201,11 @@ class BatchScheduler:
         if not pieces:
             return
         flat = [p for _, group, _ in pieces for p in group]
+        now = time.monotonic()
+        for entry, _, _ in pieces:
+            if not entry.ran:  # what it waited for: the pass in progress, queued work
+                entry.ran = True
+                entry.work.queued_s = now - entry.queued_at
         started = time.perf_counter()
         try:
             logits = self.engine.forward([p.cache for p in flat], [p.tokens for p in flat],

@@ -117,6 +117,7 @@ class VerifyWork:
         self.compute_s = 0.0
         self.batch_size = 0
         self.pass_tokens = 0
+        self.queued_s = 0.0
         self._feed = call.tokens + call.draft_tokens
         self._fed = 0
         self._piece_len = 0

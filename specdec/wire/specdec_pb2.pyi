@@ -139,7 +139,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "cache_len", "compute_ms", "batch_size", "logprobs", "prompt_logprobs", "pass_tokens")
+    __slots__ = ("num_accepted", "next_token", "cache_len", "compute_ms", "batch_size", "logprobs", "prompt_logprobs", "pass_tokens", "queued_ms")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class VerifyResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_MS_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     cache_len: int
@@ -156,7 +157,8 @@ class VerifyResponse(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     pass_tokens: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pass_tokens: _Optional[int] = ...) -> None: ...
+    queued_ms: float
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pass_tokens: _Optional[int] = ..., queued_ms: _Optional[float] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
