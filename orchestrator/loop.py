@@ -216,6 +216,7 @@ class Orchestrator:
             req.sampling, req.request_id, req.logprobs,
             prompt_logprobs=req.prompt_logprobs and first,
         )
+        rec.after_draft = block.source == "draft"  # (not a pipelined hit, lookup or none)
         self._record(stats, rec)
         rnd = Round(block, int(resp.num_accepted), int(resp.next_token))
         if req.logprobs is not None:

@@ -93,6 +93,7 @@ class CallRecord:
     branches: int = 0  # a speculation-cache call: the branches it drafted
     pass_tokens: int = 0  # a verify: new tokens of every session in its forward pass
     queued_ms: float = 0.0  # a verify: its wait in the target before its first pass
+    after_draft: bool = False  # a verify sent after a draft call (set by the round loop)
 
 
 class Backoff:

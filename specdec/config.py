@@ -132,6 +132,10 @@ class ServiceConfig:
     # Wait this long, starting from idle, for other calls to join the first pass. 0: continuous
     # batching already lets later calls join the next pass, and a lone call pays nothing.
     batch_wait_ms: float = 0.0
+    # After a pass, wait up to this long for the sessions it answered to send their next
+    # calls (a round trip away), so concurrent sessions share passes rather than alternate
+    # in groups (BatchScheduler._regroup). A lone session pays nothing: nothing else waits.
+    regroup_ms: float = 5.0
     prefill_chunk: int = 256  # prompt tokens per forward pass, so prefill cannot starve rounds
     kernels: str = "auto"  # CPU linear kernels: auto (fastest per shape), onednn, mkl
     calibrate: bool = True  # measure forward costs at start (reported in GetInfo)
@@ -160,6 +164,8 @@ class ServiceConfig:
             raise ValueError(f"kernels must be auto, onednn or mkl, got {self.kernels!r}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
+        if self.regroup_ms < 0:
+            raise ValueError(f"regroup_ms must be >= 0, got {self.regroup_ms}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
         if (self.tls_cert is None) != (self.tls_key is None):

@@ -130,3 +130,81 @@ def test_kv_cache_cap_holds_under_batching(tiny_models):
         assert max(idle_bytes) <= store.cap_bytes  # idle sessions never exceed the cap
     finally:
         target.stop()
+
+
+class _SlowEngine:
+    """The tiny target's engine with passes as long as a real target's (20 ms), so that a
+    session's turnaround (answer, then its next call 2 ms later) is shorter than a pass."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.passes: list[int] = []  # sessions per pass
+
+    def forward(self, caches, tokens, num_logits):
+        import time
+        time.sleep(0.02)
+        self.passes.append(len(caches))
+        return self.engine.forward(caches, tokens, num_logits)
+
+
+class _Step:
+    """One decoding step of a session: a 1-token piece on its own cache."""
+
+    def __init__(self, session_id, cache, token):
+        import torch
+        self.session_id, self.cache, self.cancelled = session_id, cache, False
+        self.compute_s, self.batch_size, self.pass_tokens, self.queued_s = 0.0, 0, 0, 0.0
+        self.tokens = torch.tensor([token])
+
+    def start(self):
+        pass
+
+    def next_piece(self, budget):
+        from specdec.serving.scheduler import Piece
+        return Piece(self.cache, self.tokens, 1, prefill=False)
+
+    def consume(self, logits):
+        return True
+
+    def result(self):
+        return self.queued_s
+
+
+@pytest.mark.parametrize("regroup_ms", [10.0, 0.0])
+def test_sessions_answered_together_share_the_next_pass(tiny_models, regroup_ms):
+    """Three sessions, each sending its next call 2 ms after its answer, started 7 ms apart.
+    Regrouping waits for the sessions a pass answered, so they settle into one pass of all
+    three; without it (0 ms) the later ones keep missing the pass that just started, and the
+    passes alternate between groups."""
+    import threading
+    import time
+
+    import torch
+
+    from specdec.models.loading import load_engine
+    from specdec.serving.scheduler import BatchScheduler
+
+    engine = _SlowEngine(load_engine(tiny_models["target"], torch.device("cpu"))[0])
+    sched = BatchScheduler(engine, max_batch=8, regroup_ms=regroup_ms)
+
+    def client(i):
+        cache = engine.engine.new_cache()
+        time.sleep(0.007 * i)
+        for step in range(12):
+            sched.submit(_Step(f"s{i}", cache, 5 + step)).result(timeout=10)
+            time.sleep(0.002)
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        sched.stop()
+    steady = engine.passes[3:-3]
+    together = sum(n == 3 for n in steady) / len(steady)
+    if regroup_ms:
+        assert together > 0.8, engine.passes
+    else:
+        assert together < 0.5, engine.passes

@@ -2,6 +2,7 @@
 
 import random
 
+from orchestrator import adaptive
 from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
 from orchestrator.service_clients import CallRecord
 
@@ -10,12 +11,12 @@ CURVE = [30.0, 31, 31, 31, 31, 32, 33, 35, 36, 37, 38, 39, 40, 41, 43, 44]
 
 
 def rec(service, compute_ms, tokens, sent=1, rpc_extra_ms=2.0, batch=1, outcome="ok",
-        re_prefilled=False, pass_tokens=0, queued_ms=0.0):
+        re_prefilled=False, pass_tokens=0, queued_ms=0.0, after_draft=False):
     """A call of ``compute_ms`` that took ``queued_ms`` (its wait in the service) + ``rpc_extra_ms``
     more."""
     return CallRecord(service, 0.0, (compute_ms + queued_ms + rpc_extra_ms) / 1000.0,
                       compute_ms, tokens, outcome, re_prefilled, batch, sent,
-                      pass_tokens=pass_tokens, queued_ms=queued_ms)
+                      pass_tokens=pass_tokens, queued_ms=queued_ms, after_draft=after_draft)
 
 
 def live():
@@ -45,6 +46,33 @@ def test_a_wait_in_the_target_is_costed_as_a_wait_not_as_the_calls_own_time():
     assert abs(costs.target_wait - 0.5) < 0.01
 
 
+def test_a_verify_that_waits_because_it_drafted_charges_the_wait_to_drafting(monkeypatch):
+    """Under load the target regroups the sessions it just answered into the next pass; a
+    session that drafted first comes back late and waits for that whole pass, one that only
+    verifies does not. The wait is charged to drafted rounds, so k falls to 0; charged to
+    every round alike (one wait for all) it would make long blocks look cheap."""
+    monkeypatch.setattr(adaptive, "LOAD_MARGIN", 0.0)
+
+    def run(split_waits: bool) -> int:
+        costs = live()
+        rng = random.Random(0)
+        ctl = KController(CURVE, [3.0], costs=costs)
+        for _ in range(80):
+            k = ctl.next_k()
+            m = 4 * (k + 1)
+            wait = CURVE[m - 1] if k else 0.0  # a drafted round waits a whole pass
+            costs.observe(rec("target", CURVE[m - 1], k, batch=4, pass_tokens=m,
+                              queued_ms=wait, after_draft=k > 0 and split_waits))
+            accepted = 0
+            while accepted < k and rng.random() < 0.6:
+                accepted += 1
+            ctl.observe(k, accepted)
+        return ctl.next_k()
+
+    assert run(split_waits=True) == 0
+    assert run(split_waits=False) > 0  # the waits spread over every round: it speculates
+
+
 def test_prefills_cancellations_and_re_prefills_are_not_steady_costs():
     costs = live()
     before = vars(costs).copy()
@@ -67,7 +95,7 @@ def _k_after(costs, batch, rounds=60, acceptance=0.6, pass_ms=None, wait=0.0):
         k = ctl.next_k()
         m = batch * (k + 1)
         costs.observe(rec("target", pass_ms(m), k, batch=batch, pass_tokens=m,
-                          queued_ms=wait * pass_ms(m)))
+                          queued_ms=wait * pass_ms(m), after_draft=k > 0))
         accepted = 0
         while accepted < k and rng.random() < acceptance:
             accepted += 1
@@ -83,11 +111,13 @@ def test_k_falls_to_zero_under_a_large_batch_and_rises_when_it_empties():
     assert _k_after(costs, batch=1) >= 2  # the batch emptied: speculation resumes
 
 
-def test_k_follows_what_batched_passes_cost_not_the_one_session_calibration():
+def test_k_follows_what_batched_passes_cost_not_the_one_session_calibration(monkeypatch):
     """Batched, the target's pass grows 3.5 ms per token (several sessions' rows) where its
     one-session calibration grows ~1 ms, and each call waits half a pass for the one in
     progress: k is costed by what the passes cost, so it stays 0 at 8 sessions, though the
-    calibration alone would speculate there."""
+    calibration alone would speculate there (without the load margin: the line alone)."""
+    monkeypatch.setattr(adaptive, "LOAD_MARGIN", 0.0)
+
     def batched(m):
         return 20.0 + 3.5 * m
 
@@ -100,6 +130,26 @@ def test_k_follows_what_batched_passes_cost_not_the_one_session_calibration():
     calibrated.target_batch = 8.0
     assert KController(CURVE, [3.0], costs=calibrated).best_k(0.5) > 0
     assert _k_after(costs, batch=1) >= 2  # alone again: the calibration, and speculation
+
+
+def test_under_load_a_gain_within_the_margin_is_no_gain():
+    """While the target batches B sessions, k > 0 needs a predicted gain over k = 0 above
+    LOAD_MARGIN per other session; alone, any gain speculates."""
+    costs = live()
+    costs.target_batch = 5.0
+    ctl = KController(CURVE, [3.0], costs=costs)
+    margin = adaptive.LOAD_MARGIN * 4
+
+    def gain(a):
+        return max(ctl.rate(k, a) for k in range(1, ctl.k_max + 1)) / ctl.rate(0, a) - 1.0
+
+    grid = [i / 100 for i in range(5, 100)]
+    small = next(a for a in grid if 0.0 < gain(a) < margin)
+    large = next(a for a in grid if gain(a) > margin + 0.05)
+    assert ctl.best_k(small) == 0
+    assert ctl.best_k(large) > 0
+    costs.target_batch = 1.0  # alone: the small gain is taken
+    assert gain(small) > 0 and ctl.best_k(small) > 0
 
 
 def test_rejection_sampled_requests_keep_the_calibrated_costs():

@@ -35,6 +35,10 @@ def add_service_arguments(parser, default_model: str) -> None:
     parser.add_argument("--batch-wait-ms", type=float, default=0.0,
                         help="starting from idle, wait this long for other calls to join the "
                              "first pass (default 0: later calls join the next pass anyway)")
+    parser.add_argument("--regroup-ms", type=float, default=ServiceConfig.regroup_ms,
+                        help="after a pass, wait up to this long for the sessions it answered "
+                             "to send their next calls, so concurrent sessions share passes "
+                             "(0: never wait)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
     parser.add_argument("--kernels", choices=("auto", "onednn", "mkl"), default="auto",
                         help="CPU linear kernels: auto times oneMKL and prepacked oneDNN at start "
@@ -53,6 +57,7 @@ def service_config_from_args(args, role: str) -> ServiceConfig:
             threads=args.threads, cache_cap_mb=args.cache_cap_mb, max_sessions=args.max_sessions,
             session_ttl_s=args.session_ttl_s, max_message_bytes=args.max_message_bytes,
             max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
+            regroup_ms=args.regroup_ms,
             prefill_chunk=args.prefill_chunk, kernels=args.kernels,
             calibrate=not args.no_calibrate, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,

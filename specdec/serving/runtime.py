@@ -77,6 +77,7 @@ class _Runtime:
                 engine,
                 max_batch=config.max_batch,
                 batch_wait_ms=config.batch_wait_ms,
+                regroup_ms=config.regroup_ms,
                 token_budget=config.prefill_chunk,
                 after_pass=lambda pinned: self.store.enforce_limits(pinned),
                 name=f"{config.role}-model",
