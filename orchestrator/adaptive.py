@@ -261,7 +261,11 @@ class KController:
         if self.fixed_k is not None:
             return self.fixed_k
         k = self.best_k()
-        if k == 0 and self.zero_rounds >= PROBE_EVERY and not after_full_accept:
+        # Under load a probe costs more than its own round (it leaves the target's regrouped
+        # pass for a round, the draft catches up on the tokens since its last call): probe
+        # less often as more sessions share the passes.
+        every = PROBE_EVERY * max(1.0, self.costs.target_batch)
+        if k == 0 and self.zero_rounds >= every and not after_full_accept:
             # Occasionally try a short block, or a draft that improved would never be noticed.
             self.zero_rounds = 0
             k = 2

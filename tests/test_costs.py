@@ -152,6 +152,26 @@ def test_under_load_a_gain_within_the_margin_is_no_gain():
     assert gain(small) > 0 and ctl.best_k(small) > 0
 
 
+def test_probes_of_a_draft_that_never_pays_grow_rarer_under_load():
+    """A draft whose blocks are never accepted is probed every PROBE_EVERY rounds alone, and
+    every PROBE_EVERY * B rounds while the target's passes hold B sessions."""
+    def probes(batch: float) -> int:
+        costs = live()
+        costs.target_batch = batch
+        ctl = KController(CURVE, [3.0], costs=costs)
+        n = 0
+        for i in range(200 + 640):  # (the first 200: the prior acceptance wears off)
+            k = ctl.next_k()
+            n += k > 0 and i >= 200
+            ctl.observe(k, 0)
+        return n
+
+    alone, loaded = probes(1.0), probes(8.0)
+    every = adaptive.PROBE_EVERY + 1  # rounds at k = 0, then the probe
+    assert 640 // every - 1 <= alone <= 640 // every + 1
+    assert 640 // (8 * every) - 1 <= loaded <= 640 // (8 * every) + 1
+
+
 def test_rejection_sampled_requests_keep_the_calibrated_costs():
     """Under the rejection rule k changes a seeded request's text, so k must not follow
     timings; greedy and coupled-sampled requests (k cannot change their text) use live costs."""
