@@ -91,8 +91,11 @@ def test_draft_comes_back_and_speculation_resumes(tiny_models, reference):
     try:
         first, second = run(scenario())
         assert first.token_ids == reference and second.token_ids == reference
-        # the draft was dead throughout (the last round needs no draft: one token was left)
-        assert first.stats.tokens_without_draft >= len(reference) - 1
+        # the draft was dead throughout (the first round drafts nothing anyway, its call is
+        # the draft's prefill beside the target's, which failed; the last round needs no
+        # draft: one token was left)
+        assert first.stats.draft_failures >= 1
+        assert first.stats.tokens_without_draft >= len(reference) - 2
         assert second.stats.tokens_without_draft == 0 and second.stats.draft_tokens > 0
     finally:
         target.stop()

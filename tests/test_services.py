@@ -37,7 +37,10 @@ def test_greedy_output_equals_transformers(tiny_models, tiny_services, mode, dra
 def test_self_draft_accepts_everything(tiny_services):
     result = run(generate_on(tiny_services, "self_draft", PROMPTS[1], "spec", 4))
     assert result.stats.acceptance_rate == 1.0
-    assert result.stats.rounds == 8  # 40 tokens at 5 per round
+    # the first round verifies no block (the draft prefills beside it), then 39 tokens at 5
+    # per round
+    assert result.stats.rounds == 1 + 8
+    assert result.stats.tokens_per_round[0] == 1 and set(result.stats.tokens_per_round[1:-1]) == {5}
 
 
 def test_bad_draft_rejections_and_pipeline_drops_are_counted(tiny_models, tiny_services):
