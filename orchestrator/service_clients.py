@@ -206,7 +206,11 @@ class ServiceClient:
         call = self._streams.pop(session_id, None) or self._open_stream()
         try:
             await call.write(req)
-            resp = await asyncio.wait_for(call.read(), timeout_s)
+            # (not asyncio.wait_for: before Python 3.12 it returns the answer and swallows a
+            # cancellation that arrives as the answer does, so a generation whose client left
+            # ran on to its end)
+            async with asyncio.timeout(timeout_s):
+                resp = await call.read()
         except grpc.aio.AioRpcError:
             raise
         except asyncio.InvalidStateError:  # the stream ended (e.g. the service went away)

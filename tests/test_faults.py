@@ -181,3 +181,48 @@ def test_target_down_past_the_deadline_fails_with_a_retriable_error(tiny_models)
         assert "complete" not in chunks
     finally:
         target.stop()
+
+
+class _AnswerOnCue:
+    """A session stream whose answer arrives when the test says (a crafted race: a real
+    stream cannot be made to answer in the same loop step as a cancellation)."""
+
+    def __init__(self):
+        self.answer = asyncio.get_running_loop().create_future()
+        self.reading = asyncio.Event()
+        self.cancelled = False
+
+    async def write(self, req):
+        pass
+
+    async def read(self):
+        self.reading.set()
+        return await self.answer
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_a_cancellation_that_arrives_with_the_answer_is_not_lost():
+    """A client that leaves cancels its generation; if the cancel meets a service's answer in
+    the same loop step, the call must still end cancelled (asyncio.wait_for before 3.12
+    returned the answer instead, and the generation ran on to its end)."""
+    from orchestrator.service_clients import TargetClient
+    from specdec.wire import specdec_pb2 as pb
+
+    async def main():
+        client = TargetClient("127.0.0.1:9")  # the channel connects lazily: never here
+        stream = _AnswerOnCue()
+        client._open_stream = lambda: stream
+        try:
+            call = asyncio.ensure_future(client._stream_call("s", pb.VerifyRequest(), 5.0))
+            await stream.reading.wait()
+            stream.answer.set_result(pb.VerifyResponse(next_token=7))
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            assert stream.cancelled and "s" not in client._streams
+        finally:
+            await client.close()
+
+    asyncio.run(main())
