@@ -23,6 +23,8 @@ import uuid
 from typing import AsyncIterator
 
 from orchestrator.adaptive import (
+    POOL_DECAY,
+    Acceptance,
     BranchWidth,
     Costs,
     KController,
@@ -101,6 +103,9 @@ class Orchestrator:
         # The cache's width control, shared by the generations (what a branch call costs
         # against its prediction carries over from one to the next).
         self.branch_widths = BranchWidth(self.live_costs) if self.live_costs else None
+        # The draft's acceptance over recent generations (drafter-invariant ones): the prior
+        # of each new generation's adaptive k.
+        self.acceptance = Acceptance(decay=POOL_DECAY)
 
     def _calibrated_costs(self, kind: type[Costs] = Costs) -> Costs:
         """Costs from the services' start-up calibration (GetInfo.forward_ms)."""
@@ -124,8 +129,11 @@ class Orchestrator:
 
     def _controller(self, req: GenerationRequest) -> KController:
         costs = self._costs(req)
+        # the acceptance of earlier generations only where k cannot change the text (else a
+        # seeded request's text would depend on what ran before it)
+        pool = self.acceptance if req.sampling.drafter_invariant else None
         return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
-                           pipelined=req.mode == "pipelined", costs=costs)
+                           pipelined=req.mode == "pipelined", costs=costs, pool=pool)
 
     def _branch_widths(self, req: GenerationRequest) -> BranchWidth | None:
         """The speculation cache's width control, for the requests that may branch: greedy
