@@ -24,6 +24,7 @@ from typing import AsyncIterator
 
 from orchestrator.adaptive import (
     POOL_DECAY,
+    PRIOR_A,
     Acceptance,
     BranchWidth,
     Costs,
@@ -129,11 +130,14 @@ class Orchestrator:
 
     def _controller(self, req: GenerationRequest) -> KController:
         costs = self._costs(req)
-        # the acceptance of earlier generations only where k cannot change the text (else a
-        # seeded request's text would depend on what ran before it)
+        # The acceptance of earlier generations only where k cannot change the text (else a
+        # seeded request's text would depend on what ran before it), and as the prior only
+        # while other generations run (adaptive.PRIOR_A).
         pool = self.acceptance if req.sampling.drafter_invariant else None
+        prior = pool.prior() if pool is not None and self.active > 0 else PRIOR_A
         return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
-                           pipelined=req.mode == "pipelined", costs=costs, pool=pool)
+                           pipelined=req.mode == "pipelined", costs=costs, prior_a=prior,
+                           pool=pool)
 
     def _branch_widths(self, req: GenerationRequest) -> BranchWidth | None:
         """The speculation cache's width control, for the requests that may branch: greedy

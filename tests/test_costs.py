@@ -218,14 +218,16 @@ def test_prompt_lookup_stops_when_its_blocks_are_rejected_and_probes_now_and_the
     assert (1 + 1 / 6) / costs.verify_ms(8) < 1 / costs.verify_ms(0) and not rare.worth_it()
 
 
-def test_a_new_generation_starts_from_the_acceptance_its_predecessors_saw():
-    """Each generation's adaptive k starts from the acceptance of the orchestrator's recent
-    generations (once they drafted enough), not from 0.5: a draft that the last generations
-    rejected is not drafted again for the first rounds of the next one."""
+def test_a_new_generation_can_start_from_the_acceptance_its_predecessors_saw():
+    """The orchestrator's pool of its generations' acceptance is a new generation's prior
+    once it holds enough (the orchestrator passes it while others run): a draft the last
+    generations rejected is not drafted again for the first rounds of the next one."""
     costs = live()
+    costs.target_batch = 4.0
     pool = adaptive.Acceptance(decay=adaptive.POOL_DECAY)
-    fresh = KController(CURVE, [3.0], costs=costs, pool=pool)
-    assert fresh.acceptance == adaptive.PRIOR_A and fresh.next_k() > 0  # nothing pooled yet
+    assert pool.prior() == adaptive.PRIOR_A  # nothing pooled yet
+    fresh = KController(CURVE, [3.0], costs=costs, prior_a=pool.prior(), pool=pool)
+    assert fresh.next_k() > 0
     rng = random.Random(0)
 
     def kept(k):  # of a block of k, by a draft whose every token is kept with p = 0.1
@@ -234,14 +236,15 @@ def test_a_new_generation_starts_from_the_acceptance_its_predecessors_saw():
             n += 1
         return n
 
-    while pool.weight < adaptive.POOL_MIN_WEIGHT:
+    while pool.weight < adaptive.POOL_MIN_WEIGHT:  # the controller tells the pool
         k = fresh.next_k() or 2
         fresh.observe(k, kept(k))
-    assert pool.rate() < 0.25
-    after = KController(CURVE, [3.0], costs=costs, pool=pool)
-    assert abs(after.acceptance - pool.rate()) < 1e-9 and after.next_k() == 0
+    assert pool.prior() == pool.rate() < 0.25
+    after = KController(CURVE, [3.0], costs=costs, prior_a=pool.prior(), pool=pool)
+    assert after.next_k() == 0
     # a pool that saw a good draft: the next generation speculates at once, with a long block
     good = adaptive.Acceptance(decay=adaptive.POOL_DECAY)
     for _ in range(20):
         good.observe(4, 4)
-    assert KController(CURVE, [3.0], costs=costs, pool=good).next_k() > fresh.next_k()
+    assert KController(CURVE, [3.0], costs=costs, prior_a=good.prior()).next_k() > \
+        fresh.next_k()

@@ -314,9 +314,10 @@ def test_generations_sharing_the_cores_draft_only_while_alone(shared):
     assert fixed.stats.draft_tokens > 0
 
 
-def test_adaptive_k_starts_from_what_earlier_generations_accepted_where_k_cannot_change_text():
-    """A greedy generation's controller starts from the orchestrator's pooled acceptance; a
-    rejection-sampled one (k changes its text) from the fixed prior, whatever ran before."""
+def test_adaptive_k_starts_from_what_earlier_generations_accepted_while_others_run():
+    """A greedy generation that starts while others run starts from the orchestrator's
+    pooled acceptance; alone, or rejection-sampled (k changes its text), from the fixed
+    prior, whatever ran before."""
     target, draft = FakeTarget(), FakeDraft(wrong_every=1)  # never right: nothing accepted
     target.prompt_len = 3
     orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
@@ -325,10 +326,11 @@ def test_adaptive_k_starts_from_what_earlier_generations_accepted_where_k_cannot
         return GenerationRequest([5, 11, 23], 40, SamplingParams(**kw), [], "spec", k,
                                  prompt_lookup=False)
 
-    first = orch._controller(req())
-    assert first.acceptance == 0.5
+    assert orch._controller(req()).acceptance == 0.5
     result = asyncio.run(orch.generate(req(k=2)))  # a fixed k teaches the pool too
     assert result.token_ids == target_text([5, 11, 23], 40) and result.stats.accepted_tokens == 0
+    assert orch.active == 0 and orch._controller(req()).acceptance == 0.5  # alone
+    orch.active = 1  # as while another generation runs
     assert orch._controller(req()).acceptance < 0.1
     sampled = orch._controller(req(temperature=0.8, seed=3, rule="rejection"))
     assert sampled.acceptance == 0.5 and sampled.pool is None
