@@ -198,6 +198,7 @@ class Acceptance:
     (geometric model: a block of k yields one rejection unless all of it was kept)."""
 
     def __init__(self, a: float = 0.5, weight: float = 0.0, decay: float = 0.95):
+        """``a`` with ``weight``: the prior, as that many observed tokens' worth."""
         self.acc = a * weight
         self.rej = (1.0 - a) * weight
         self.decay = decay
@@ -206,8 +207,8 @@ class Acceptance:
     def weight(self) -> float:
         return self.acc + self.rej
 
-    def rate(self, default: float = 0.5) -> float:
-        return self.acc / self.weight if self.weight > 1e-9 else default
+    def rate(self) -> float:
+        return self.acc / self.weight if self.weight > 1e-9 else PRIOR_A
 
     def observe(self, k: int, accepted: int) -> None:
         self.acc = self.acc * self.decay ** k + accepted

@@ -105,7 +105,7 @@ class Orchestrator:
         # against its prediction carries over from one to the next).
         self.branch_widths = BranchWidth(self.live_costs) if self.live_costs else None
         # The draft's acceptance over recent generations (drafter-invariant ones): the prior
-        # of each new generation's adaptive k.
+        # of the adaptive k of a generation that starts while others run (_controller).
         self.acceptance = Acceptance(decay=POOL_DECAY)
 
     def _calibrated_costs(self, kind: type[Costs] = Costs) -> Costs:
