@@ -193,11 +193,27 @@ class LiveCosts(Costs):
 MAX_STEADY_TOKENS = 16  # committed tokens a steady round's call sends at most (more: prefill)
 
 
+# A generation that starts while others run starts from the acceptance of the orchestrator's
+# recent generations once they drafted this many blocks' worth (else from PRIOR_A): each used
+# to start at 0.5 and draft its first rounds at it, though the shipped draft's acceptance is
+# 0.2-0.45 on most text. Under load those were nearly all its drafted rounds (measured on
+# separate cores, 4 clients, 48 tokens a request: 6% of rounds drafted, each a draft call and
+# a missed pass; target-only rounds for the rest). A generation alone keeps PRIOR_A: there an
+# optimistic start costs a few drafted rounds that hide behind the verify pass, and a low
+# prior near the break-even left rounds at k = 0 whose acceptance only probes could correct
+# (measured on separate cores, 8 prompts one at a time: tokens/round 1.07-1.26 instead of
+# 1.33-1.66 on four of them, ~5% fewer tok/s).
+PRIOR_A = 0.5
+PRIOR_WEIGHT = 4.0
+POOL_MIN_WEIGHT = 8.0
+POOL_DECAY = 0.995  # per drafted token: the last few hundred drafted tokens
+
+
 class Acceptance:
     """The draft's per-token acceptance as decayed counts: accepted tokens against rejections
     (geometric model: a block of k yields one rejection unless all of it was kept)."""
 
-    def __init__(self, a: float = 0.5, weight: float = 0.0, decay: float = 0.95):
+    def __init__(self, a: float = PRIOR_A, weight: float = 0.0, decay: float = 0.95):
         """``a`` with ``weight``: the prior, as that many observed tokens' worth."""
         self.acc = a * weight
         self.rej = (1.0 - a) * weight
@@ -219,22 +235,6 @@ class Acceptance:
         return self.rate() if self.weight >= POOL_MIN_WEIGHT else PRIOR_A
 
 
-# A generation that starts while others run starts from the acceptance of the orchestrator's
-# recent generations once they drafted this many blocks' worth (else from PRIOR_A): each used
-# to start at 0.5 and draft its first rounds at it, though the shipped draft's acceptance is
-# 0.2-0.45 on most text. Under load those were nearly all its drafted rounds (measured on
-# separate cores, 4 clients, 48 tokens a request: 6% of rounds drafted, each a draft call and
-# a missed pass; target-only rounds for the rest). A generation alone keeps PRIOR_A: there an
-# optimistic start costs a few drafted rounds that hide behind the verify pass, and a low
-# prior near the break-even left rounds at k = 0 whose acceptance only probes could correct
-# (measured on separate cores, 8 prompts one at a time: tokens/round 1.07-1.26 instead of
-# 1.33-1.66 on four of them, ~5% fewer tok/s).
-PRIOR_A = 0.5
-PRIOR_WEIGHT = 4.0
-POOL_MIN_WEIGHT = 8.0
-POOL_DECAY = 0.995  # per drafted token: the last few hundred drafted tokens
-
-
 class KController:
     def __init__(self, target_ms: list[float], draft_ms: list[float], fixed_k: int | None = None,
                  pipelined: bool = False, prior_a: float = PRIOR_A,
@@ -242,7 +242,7 @@ class KController:
                  k_max: int = ADAPTIVE_K_MAX, costs: Costs | None = None,
                  pool: Acceptance | None = None):
         """``pool``: the acceptance of the orchestrator's recent generations, told what this
-        one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` under load)."""
+        one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` while others run)."""
         self.fixed_k = fixed_k
         self.pipelined = pipelined
         self.k_max = min(k_max, max(len(target_ms) - 1, 1)) if target_ms else k_max
