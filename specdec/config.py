@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
+# CPU linear kernels (specdec.serving.kernels): "auto" measures the others at start
+KERNEL_CHOICES = ("auto", "onednn", "mkl", "mkl-t")
+
 MAX_K = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
 # Below this temperature logits / temperature overflows float32 (NaN probabilities); greedy
@@ -137,7 +140,7 @@ class ServiceConfig:
     # in groups (BatchScheduler._regroup). A lone session pays nothing: nothing else waits.
     regroup_ms: float = 5.0
     prefill_chunk: int = 256  # prompt tokens per forward pass, so prefill cannot starve rounds
-    kernels: str = "auto"  # CPU linear kernels: auto (fastest per shape), onednn, mkl
+    kernels: str = "auto"  # CPU linear kernels: auto (fastest per shape), onednn, mkl, mkl-t
     calibrate: bool = True  # measure forward costs at start (reported in GetInfo)
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -160,8 +163,9 @@ class ServiceConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
-        if self.kernels not in ("auto", "onednn", "mkl"):
-            raise ValueError(f"kernels must be auto, onednn or mkl, got {self.kernels!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, "
+                             f"got {self.kernels!r}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.regroup_ms < 0:

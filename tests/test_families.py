@@ -189,7 +189,7 @@ def max_diff(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return diff, diff / max(1.0, float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("kernels", ["onednn", "mkl"])
+@pytest.mark.parametrize("kernels", ["onednn", "mkl", "mkl-t"])
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_logits_match_transformers(family_dirs, name, kernels):
     model, _ = load_hf_model(family_dirs(name))

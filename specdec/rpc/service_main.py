@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import Callable
 
-from specdec.config import ServiceConfig
+from specdec.config import KERNEL_CHOICES, ServiceConfig
 from specdec.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -40,9 +40,10 @@ def add_service_arguments(parser, default_model: str) -> None:
                              "to send their next calls, so concurrent sessions share passes "
                              "(0: never wait)")
     parser.add_argument("--prefill-chunk", type=int, default=256)
-    parser.add_argument("--kernels", choices=("auto", "onednn", "mkl"), default="auto",
-                        help="CPU linear kernels: auto times oneMKL and prepacked oneDNN at start "
-                             "and keeps the faster for 1 token and for blocks (default)")
+    parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                        help="CPU linear kernels: auto times oneMKL (as stored and on the "
+                             "transposed weight, mkl-t) and prepacked oneDNN at start and keeps "
+                             "the fastest for 1 token and for blocks (default)")
     parser.add_argument("--no-calibrate", action="store_true")
     parser.add_argument("--tls-cert")
     parser.add_argument("--tls-key")

@@ -28,6 +28,9 @@ import torch.nn.functional as F
 from specdec.serving.arch import ArchConfig, canonical_weights, rope_inv_freq
 from specdec.serving.kernels import (
     KERNEL_CHOICES,
+    MKL,
+    MKL_T,
+    ONEDNN,
     KernelPlan,
     Linear,
     choose_kernels,
@@ -120,11 +123,18 @@ class LlamaEngine:
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.float16
-        # CPU linear kernels (specdec.serving.kernels): "auto" times both at start and keeps the faster
-        # per shape; "mkl" is F.linear; "onednn" prepacked weights. GPUs use F.linear.
+        # CPU linear kernels (specdec.serving.kernels): "auto" times them at start and keeps the
+        # fastest per shape; "mkl" is F.linear, "mkl-t" oneMKL on the transposed weight,
+        # "onednn" prepacked weights. GPUs use F.linear.
         plan = None
-        if kernels != "mkl" and prepack_available(self.device):
-            plan = KernelPlan()
+        if self.device.type == "cpu":
+            onednn = prepack_available(self.device)
+            if kernels == "onednn" and not onednn:
+                raise ValueError("kernels='onednn' needs a CPU build of torch with oneDNN")
+            if kernels == "auto":
+                plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ()))
+            else:
+                plan = KernelPlan(kernels, kernels)
         elif kernels == "onednn":
             raise ValueError("kernels='onednn' needs a CPU build of torch with oneDNN")
         self.kernels = plan
@@ -179,12 +189,8 @@ class LlamaEngine:
             torch.tensor(arch.embed_scale, dtype=torch.float32).to(self.device, self.dtype)
         self.act = F.silu if arch.hidden_act == "silu" else \
             (lambda x: F.gelu(x, approximate="tanh"))
-        if plan is not None:
-            if kernels == "auto":
-                choose_kernels(plan, self._linears(), self._forward_ms)
-            else:
-                for lin in self._linears():
-                    lin.keep_only(plan.used())
+        if plan is not None and plan.trying:
+            choose_kernels(plan, self._linears(), self._forward_ms)
 
     def _linears(self) -> list[Linear]:
         return [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down")] + [
