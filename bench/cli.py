@@ -36,6 +36,10 @@ def register(sub) -> None:
     b.add_argument("--requests-per-client", type=int, default=3,
                    help="with --concurrency: requests each client sends, the next when its "
                         "answer arrives")
+    b.add_argument("--repeats", type=int, default=1,
+                   help="with --concurrency: sweeps of every level, the specdec systems in a "
+                        "rotated order each time; rows give medians, ranges and the median "
+                        "within-sweep ratio to target-only (HF is timed in the first sweep)")
     b.add_argument("--split", nargs="?", const="auto", metavar="TARGET:DRAFT",
                    help="separate hardware on one machine: the target service on some cores, "
                         "the draft on others, the HF baselines on the target's (e.g. 1:0, "
@@ -151,6 +155,8 @@ def cmd_concurrency(args) -> int:
         raise SystemExit("error: concurrency levels must be >= 1")
     if args.requests_per_client < 1:
         raise SystemExit("error: --requests-per-client must be >= 1")
+    if args.repeats < 1:
+        raise SystemExit("error: --repeats must be >= 1")
     prompts = [p for name in args.prompts for p in load_prompts(name)]
     if args.limit:
         prompts = prompts[: args.limit]
@@ -163,14 +169,15 @@ def cmd_concurrency(args) -> int:
         spd.connect()
         ids = [encode_prompt(hf.tokenizer, p, None) for p in prompts]
         summary = concurrency.run_levels(levels, ids, args.max_new_tokens, hf, spd, args.k,
-                                         args.requests_per_client)
+                                         args.requests_per_client, args.repeats)
     finally:
         spd.close()
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary["command"] = f"specdec bench --concurrency {args.concurrency} " \
                          f"--max-new-tokens {args.max_new_tokens} " \
-                         f"--requests-per-client {args.requests_per_client}" + \
+                         f"--requests-per-client {args.requests_per_client} " \
+                         f"--repeats {args.repeats}" + \
                          (f" --split {args.split}" if args.split else "")
     summary["split"] = cores
     (out / "concurrency.json").write_text(json.dumps(summary, indent=1))

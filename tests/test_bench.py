@@ -91,7 +91,7 @@ def test_bench_concurrency_runs_every_system_at_every_level_against_target_only(
     stdout = _cli("bench", "--concurrency", "1,2", "--prompts", str(prompts),
                   "--target", tiny_models["target"], "--draft", tiny_models["near_draft"],
                   "--max-new-tokens", "8", "--threads", "1", "--hf-threads", "1",
-                  "--requests-per-client", "2", "--out", str(out))
+                  "--requests-per-client", "2", "--repeats", "2", "--out", str(out))
     assert "every answer's greedy token ids equal HF target-only's" in stdout
     assert "vs specdec-target-only" in stdout
     data = json.loads((out / "concurrency.json").read_text())
@@ -103,7 +103,26 @@ def test_bench_concurrency_runs_every_system_at_every_level_against_target_only(
         assert f"| {system} | {n} |" in stdout
         # specdec's clients send 2 requests each (the next when the answer arrives); HF n
         assert r["requests"] == (n if system == "hf" else 2 * n), (system, n)
-    assert "| specdec-target-only | 2 | " in stdout and " | 1.00x | " in stdout
+    assert "| specdec-target-only | 2 | " in stdout and " | 1.00x [1.00-1.00] | " in stdout
+    # two sweeps: HF timed in the first only, the specdec systems in a rotated order each time,
+    # each row the median of its sweeps with their range and the within-sweep ratio
+    assert data["repeats"] == 2
+    order = [(r["repeat"], r["concurrency"], r["system"]) for r in data["runs"]]
+    assert order[:4] == [(0, 1, s) for s in systems]
+    assert [s for rep, n, s in order if (rep, n) == (1, 1)] == \
+        ["specdec-spec", "specdec-pipelined", "specdec-target-only"]
+    for (system, n), r in rows.items():
+        runs = [x for x in data["runs"] if (x["system"], x["concurrency"]) == (system, n)]
+        assert r["repeats"] == len(runs) == (1 if system == "hf" else 2)
+        lo, hi = r["tokens_per_s_range"]
+        assert lo <= r["tokens_per_s"] <= hi and [lo, hi] == \
+            [min(x["tokens_per_s"] for x in runs), max(x["tokens_per_s"] for x in runs)]
+        if system != "hf":
+            alone = {x["repeat"]: x["tokens_per_s"] for x in data["runs"]
+                     if (x["system"], x["concurrency"]) == ("specdec-target-only", n)}
+            ratios = sorted(x["tokens_per_s"] / alone[x["repeat"]] for x in runs)
+            assert r["vs_target_only"] == pytest.approx(sum(ratios) / 2)  # median of two
+            assert r["vs_target_only_range"] == pytest.approx(ratios)
     # what the rounds did: target-only never drafts, spec alone drafts (a near draft), and
     # every row's tokens per round matches its tokens over its rounds
     assert rows[("specdec-target-only", 2)]["drafted_rounds"] == 0
