@@ -126,17 +126,13 @@ class LlamaEngine:
         # CPU linear kernels (specdec.serving.kernels): "auto" times them at start and keeps the
         # fastest per shape; "mkl" is F.linear, "mkl-t" oneMKL on the transposed weight,
         # "onednn" prepacked weights. GPUs use F.linear.
+        onednn = prepack_available(self.device)  # (False off CPU)
+        if kernels == "onednn" and not onednn:
+            raise ValueError("kernels='onednn' needs a CPU build of torch with oneDNN")
         plan = None
         if self.device.type == "cpu":
-            onednn = prepack_available(self.device)
-            if kernels == "onednn" and not onednn:
-                raise ValueError("kernels='onednn' needs a CPU build of torch with oneDNN")
-            if kernels == "auto":
-                plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ()))
-            else:
-                plan = KernelPlan(kernels, kernels)
-        elif kernels == "onednn":
-            raise ValueError("kernels='onednn' needs a CPU build of torch with oneDNN")
+            plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ())) \
+                if kernels == "auto" else KernelPlan(kernels, kernels)
         self.kernels = plan
 
         def w(name: str) -> torch.Tensor:
