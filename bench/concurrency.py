@@ -158,18 +158,17 @@ def _round_stats(stats: list) -> dict:
 def table(summary: dict) -> str:
     """The rows as a markdown table; with several sweeps, medians and [min-max] ranges."""
     base = {r["system"]: r["tokens_per_s"] for r in summary["rows"] if r["concurrency"] == 1}
-    several = summary.get("repeats", 1) > 1
     lines = ["| system | N | aggregate tok/s | vs N=1 | vs specdec-target-only | p50 latency s | "
              "p95 latency s | tokens/round | drafted rounds | mismatches |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
         rel = r["tokens_per_s"] / base[r["system"]] if base.get(r["system"]) else float("nan")
         tps, vs = f"{r['tokens_per_s']:.1f}", "-"
-        if several and r["repeats"] > 1:
+        if r["repeats"] > 1:
             tps += " [{:.1f}-{:.1f}]".format(*r["tokens_per_s_range"])
         if r.get("vs_target_only") is not None:
             vs = f"{r['vs_target_only']:.2f}x"
-            if several and r["repeats"] > 1:
+            if r["repeats"] > 1:
                 vs += " [{:.2f}-{:.2f}]".format(*r["vs_target_only_range"])
         lines.append(f"| {r['system']} | {r['concurrency']} | {tps} | {rel:.2f}x | {vs} | "
                      f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | "
@@ -193,8 +192,8 @@ def plot(summary: dict, out) -> object:
         rs = [r for r in summary["rows"] if r["system"] == system]
         ns = [r["concurrency"] for r in rs]
         tps = [r["tokens_per_s"] for r in rs]
-        spread = [[t - r.get("tokens_per_s_range", [t, t])[0] for t, r in zip(tps, rs)],
-                  [r.get("tokens_per_s_range", [t, t])[1] - t for t, r in zip(tps, rs)]]
+        spread = [[t - r["tokens_per_s_range"][0] for t, r in zip(tps, rs)],
+                  [r["tokens_per_s_range"][1] - t for t, r in zip(tps, rs)]]
         a.errorbar(ns, tps, yerr=spread, marker="o", capsize=3, label=system)
         b.plot(ns, [r["p50_s"] for r in rs], marker="o", label=f"{system} p50")
         b.plot(ns, [r["p95_s"] for r in rs], marker="x", linestyle="--", label=f"{system} p95")

@@ -25,9 +25,9 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from specdec.config import KERNEL_CHOICES
 from specdec.serving.arch import ArchConfig, canonical_weights, rope_inv_freq
 from specdec.serving.kernels import (
-    KERNEL_CHOICES,
     MKL,
     MKL_T,
     ONEDNN,

@@ -33,8 +33,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specdec.config import KERNEL_CHOICES  # noqa: F401  (auto and the three kernels)
-
 log = logging.getLogger(__name__)
 
 MKL, MKL_T, ONEDNN = "mkl", "mkl-t", "onednn"
