@@ -14,6 +14,7 @@ from specdec.rpc.host import in_passing_thread
 from specdec.serving.kernels import (
     MKL,
     MKL_T,
+    MEASURED_ROWS,
     ONEDNN,
     KernelPlan,
     Linear,
@@ -33,14 +34,26 @@ def test_every_plan_computes_the_same_product(one, block, bias):
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=gen)
     b = torch.randn(96, generator=gen) if bias else None
-    lin = Linear(w, b, KernelPlan(one, block))
-    for rows in (1, 5):
+    lin = Linear(w, b, KernelPlan(((1, one), (2, block), (4, one))))
+    for rows in (1, 2, 3, 5):
         x = torch.randn(rows, 64, generator=gen)
         torch.testing.assert_close(lin(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     # only the layouts the plan's kernels read are kept
     assert (lin.plain is not None) == (MKL in (one, block))
     assert (lin.transposed is not None) == (MKL_T in (one, block))
     assert (lin.packed is not None) == (ONEDNN in (one, block))
+
+
+def test_a_row_count_takes_the_kernel_of_the_last_pair_at_or_below_it():
+    plan = KernelPlan(((4, ONEDNN), (1, MKL_T), (2, MKL), (3, MKL), (16, ONEDNN)))
+    assert plan.chosen == ((1, MKL_T), (2, MKL), (4, ONEDNN))  # sorted, repeats merged
+    assert [plan.kernel(m) for m in (1, 2, 3, 4, 5, 9, 16, 300)] == \
+        [MKL_T, MKL, MKL, ONEDNN, ONEDNN, ONEDNN, ONEDNN, ONEDNN]
+    assert plan.used() == {MKL_T, MKL, ONEDNN}
+    assert plan.describe() == "mkl-t for 1 row, mkl for 2-3 rows, onednn for 4+ rows"
+    assert KernelPlan.fixed(MKL).kernel(7) == MKL
+    with pytest.raises(ValueError, match="starts at 1 row"):
+        KernelPlan(((2, MKL),))
 
 
 def _fake_timer(ms: dict):
@@ -50,22 +63,29 @@ def _fake_timer(ms: dict):
     return forward_ms
 
 
-def _times(one: tuple[float, float, float], five: tuple[float, float, float]) -> dict:
-    """Fake forward ms of (mkl, mkl-t, onednn) for 1 and 5 rows."""
-    return {**{(k, 1): v for k, v in zip((MKL, MKL_T, ONEDNN), one)},
-            **{(k, 5): v for k, v in zip((MKL, MKL_T, ONEDNN), five)}}
+def _times(**by_kernel: tuple[float, ...]) -> dict:
+    """Fake forward ms of each kernel at the measured row counts (1, 2, 3, 4, 6, 8, 16)."""
+    names = {"mkl": MKL, "mkl_t": MKL_T, "onednn": ONEDNN}
+    return {(names[k], m): v for k, vs in by_kernel.items() for m, v in zip(MEASURED_ROWS, vs)}
 
 
 @needs_onednn
 @pytest.mark.parametrize("ms, want", [
-    # the AVX2 EPYC's order in a slow hour: mkl-t for one row, oneDNN for blocks
-    (_times((72.7, 54.4, 80.3), (142.6, 151.0, 106.2)), (MKL_T, ONEDNN)),
-    (_times((27.0, 31.0, 33.0), (60.0, 70.0, 38.0)), (MKL, ONEDNN)),
-    (_times((49.0, 52.0, 30.0), (61.0, 80.0, 29.0)), (ONEDNN, ONEDNN)),
-    (_times((20.0, 25.0, 30.0), (21.0, 40.0, 29.0)), (MKL, MKL)),
-    (_times((40.0, 20.0, 30.0), (61.0, 25.0, 29.0)), (MKL_T, MKL_T)),
+    # the AVX-512 Xeon's order at one thread: mkl-t for one row, mkl for 2-3, oneDNN beyond
+    (_times(mkl=(53.6, 52.1, 59.6, 83.5, 90.7, 116.6, 123.0),
+            mkl_t=(46.4, 67.4, 72.9, 78.2, 84.9, 99.4, 119.8),
+            onednn=(56.7, 60.4, 60.6, 60.4, 64.9, 72.3, 90.2)),
+     ((1, MKL_T), (2, MKL), (4, ONEDNN))),
+    # the AVX2 EPYC's in a slow hour: mkl-t for one row, oneDNN for blocks
+    (_times(mkl=(72.7, 120.0, 130.0, 140.0, 142.6, 150.0, 170.0),
+            mkl_t=(54.4, 81.0, 100.0, 140.0, 151.0, 160.0, 180.0),
+            onednn=(80.3, 91.0, 95.0, 100.0, 106.2, 110.0, 130.0)),
+     ((1, MKL_T), (2, MKL_T), (3, ONEDNN))),
+    (_times(mkl=(20.0,) * 7, mkl_t=(25.0,) * 7, onednn=(30.0,) * 7), ((1, MKL),)),
+    (_times(mkl=(40.0,) * 7, mkl_t=(20.0,) * 6 + (50.0,), onednn=(30.0,) * 7),
+     ((1, MKL_T), (16, ONEDNN))),
 ])
-def test_the_fastest_kernel_is_kept_per_shape_and_unused_layouts_are_freed(ms, want):
+def test_the_fastest_kernel_is_kept_per_row_count_and_unused_layouts_are_freed(ms, want):
     plan = KernelPlan(trying=(MKL, MKL_T, ONEDNN))
     gen = torch.Generator().manual_seed(1)
     weights = [torch.randn(8, 8, generator=gen) for _ in range(3)]
@@ -73,30 +93,37 @@ def test_the_fastest_kernel_is_kept_per_shape_and_unused_layouts_are_freed(ms, w
     assert all(lin.plain is not None and lin.transposed is not None and lin.packed is not None
                for lin in lins)  # every candidate's layout while it is measured
     choose_kernels(plan, lins, _fake_timer(ms)(plan), reps=2)
-    assert (plan.one, plan.block) == want
-    assert plan.used() == set(want)
+    want = KernelPlan(want).chosen  # (merged)
+    assert plan.chosen == want
+    kept = {k for _, k in want}
+    assert plan.used() == kept
     for lin, w in zip(lins, weights):
-        assert (lin.plain is not None) == (MKL in want)
-        assert (lin.transposed is not None) == (MKL_T in want)
-        assert (lin.packed is not None) == (ONEDNN in want)
-        for rows in (1, 5):
+        assert (lin.plain is not None) == (MKL in kept)
+        assert (lin.transposed is not None) == (MKL_T in kept)
+        assert (lin.packed is not None) == (ONEDNN in kept)
+        for rows in (1, 2, 3, 5, 20):
             x = torch.randn(rows, 8, generator=gen)
             torch.testing.assert_close(lin(x), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
-def test_an_engine_measures_every_kernel_and_keeps_one_per_shape(tiny_models, caplog):
+def test_an_engine_measures_every_kernel_and_keeps_one_per_row_count(tiny_models, caplog):
     from specdec.models.loading import load_engine
 
     with caplog.at_level("INFO", logger="specdec.serving.kernels"):
         engine, _, _ = load_engine(tiny_models["target"], torch.device("cpu"), "auto")
-    # "linear kernels: mkl-t for 1 row (mkl 93.4 / mkl-t 63.3 / onednn 111.9 ms), ..."
+    # "linear kernels: mkl-t for 1 row, ... (ms per forward by rows, 1: mkl 93.4 / mkl-t 63.3
+    # / onednn 111.9; 2: ...)"
     message = next(r.getMessage() for r in caplog.records if "linear kernels" in r.getMessage())
-    for listed in re.findall(r"\((.*?) ms\)", message):
-        assert [part.split()[0] for part in listed.split(" / ")] == [MKL, MKL_T, ONEDNN]
+    measured = re.search(r"by rows, (.*)\)$", message).group(1).split("; ")
+    assert [int(part.split(":")[0]) for part in measured] == list(MEASURED_ROWS)
+    for part in measured:
+        listed = part.split(": ", 1)[1]
+        assert [k.split()[0] for k in listed.split(" / ")] == [MKL, MKL_T, ONEDNN]
     plan = engine.kernels
     assert plan.trying == ()
-    assert {plan.one, plan.block} <= {MKL, MKL_T, ONEDNN}
+    assert plan.used() <= {MKL, MKL_T, ONEDNN}
+    assert plan.describe() in message
     for lin in engine._linears():
         assert lin.plan is plan
         kept = {k for k, layout in ((MKL, lin.plain), (MKL_T, lin.transposed),

@@ -20,7 +20,7 @@ naming, filled from a Hugging Face model (``from_hf``) or a specdec draft file
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from specdec.config import KERNEL_CHOICES
 from specdec.serving.arch import ArchConfig, canonical_weights, rope_inv_freq
 from specdec.serving.kernels import (
+    MEASURED_ROWS,
     MKL,
     MKL_T,
     ONEDNN,
@@ -132,7 +133,7 @@ class LlamaEngine:
         plan = None
         if self.device.type == "cpu":
             plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ())) \
-                if kernels == "auto" else KernelPlan(kernels, kernels)
+                if kernels == "auto" else KernelPlan.fixed(kernels)
         self.kernels = plan
 
         def w(name: str) -> torch.Tensor:
@@ -186,18 +187,19 @@ class LlamaEngine:
         self.act = F.silu if arch.hidden_act == "silu" else \
             (lambda x: F.gelu(x, approximate="tanh"))
         if plan is not None and plan.trying:
-            choose_kernels(plan, self._linears(), self._forward_ms)
+            choose_kernels(plan, self._linears(), self._forward_timer())
 
     def _linears(self) -> list[Linear]:
         return [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down")] + [
             self.head]
 
-    def _forward_ms(self, rows: int, context: int = 128) -> float:
-        """Milliseconds of one forward over ``rows`` new tokens after ``context`` tokens."""
+    def _forward_timer(self, context: int = 128) -> Callable[[int], float]:
+        """ms(rows): milliseconds of one forward over ``rows`` new tokens after ``context``
+        tokens (one cache, prefilled once: each probe cuts it back to the context)."""
         cache = self.new_cache()
-        tokens = torch.arange(context + rows, device=self.device) % self.vocab_in
+        tokens = torch.arange(context + max(MEASURED_ROWS), device=self.device) % self.vocab_in
         self.forward([cache], [tokens[:context]], [1])
-        return self.timed_forward(cache, context, tokens[context:])
+        return lambda rows: self.timed_forward(cache, context, tokens[context:context + rows])
 
     def timed_forward(self, cache: KVCache, context: int, tokens: torch.Tensor) -> float:
         """Milliseconds of one forward over ``tokens`` after the cache's first ``context``

@@ -14,9 +14,15 @@ Three kernels compute the same matrix product on CPU:
   small-M paths (5 rows: ~1.4x one row's forward against ~2x with ``mkl``).
 
 Which is faster depends on the processor and on the number of rows M, so an engine measures
-them at start (``choose_kernels``) and keeps, for one row and for blocks of rows, the kernel
-that ran its whole forward faster, dropping the weight layouts no kept kernel reads (while it
-measures, every candidate's layout is held: up to three copies of the weights).
+them at start (``choose_kernels``) at a few row counts (1, 2, 3, 4, 6, 8 and 16: one token,
+the verify blocks adaptive k chooses, a target's batched passes) and keeps, for each, the kernel
+that ran its whole forward fastest; a row count between two measured ones takes the lower
+one's kernel. On the AVX-512 Intel Xeon of one stop (one thread; ms per forward of the
+default target): ``mkl-t`` 46 at one row, ``mkl`` 52 / 60 at two / three (oneDNN 60 / 61),
+oneDNN from four on (60 at four, 90 at sixteen; ``mkl`` 84 / 123): one kernel for every block
+made a block of two cost 1.30x one token, where the kernel per row count makes it 1.12x. It then
+drops the weight layouts no kept kernel reads (while it measures, every candidate's layout is
+held: up to three copies of the weights).
 
 The kernels round fp32 differently in the last bits (logits of the default target differ by up
 to ~5e-5), which the exactness notes in the README account for.
@@ -52,20 +58,59 @@ def prepack_available(device: torch.device) -> bool:
     return True
 
 
+# The row counts ``choose_kernels`` times each kernel at (see the module's notes).
+MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 16)
+
+
 @dataclasses.dataclass
 class KernelPlan:
-    """The kernel an engine's linear layers use for one input row and for several, and the
-    kernels still to be measured (``trying``: their weight layouts are built too)."""
+    """The kernel an engine's linear layers use by the input's number of rows.
 
-    one: str = ONEDNN
-    block: str = ONEDNN
+    ``chosen``: (from this many rows, kernel) pairs, ascending from 1 row; a row count takes the
+    kernel of the last pair at or below it. ``trying``: the kernels still to be measured (their
+    weight layouts are built too)."""
+
+    chosen: tuple[tuple[int, str], ...] = ((1, ONEDNN),)
     trying: tuple[str, ...] = ()
+    _by_rows: tuple[str, ...] = dataclasses.field(init=False, repr=False, default=())
+
+    def __post_init__(self) -> None:
+        self.use(self.chosen)
+
+    @classmethod
+    def fixed(cls, kernel: str) -> "KernelPlan":
+        """One kernel for every row count."""
+        return cls(((1, kernel),))
+
+    def use(self, chosen) -> None:
+        """Set ``chosen`` (consecutive pairs of the same kernel merged)."""
+        pairs = sorted(chosen)
+        if not pairs or pairs[0][0] != 1:
+            raise ValueError(f"a kernel plan starts at 1 row, got {pairs}")
+        merged = [pairs[0]]
+        for rows, kernel in pairs[1:]:
+            if kernel != merged[-1][1]:
+                merged.append((rows, kernel))
+        self.chosen = tuple(merged)
+        # kernel(rows) as a lookup: one entry per row count up to the last pair's
+        last = merged[-1][0]
+        self._by_rows = tuple(next(k for r, k in reversed(merged) if r <= rows)
+                              for rows in range(1, last + 1))
 
     def kernel(self, rows: int) -> str:
-        return self.one if rows == 1 else self.block
+        return self._by_rows[min(max(rows, 1), len(self._by_rows)) - 1]
 
     def used(self) -> set[str]:
-        return {self.one, self.block, *self.trying}
+        return {kernel for _, kernel in self.chosen} | set(self.trying)
+
+    def describe(self) -> str:
+        """e.g. "mkl-t for 1 row, mkl for 2-3, onednn for 4+"."""
+        parts = []
+        for i, (rows, kernel) in enumerate(self.chosen):
+            end = self.chosen[i + 1][0] - 1 if i + 1 < len(self.chosen) else None
+            span = f"{rows}+" if end is None else (f"{rows}" if end == rows else f"{rows}-{end}")
+            parts.append(f"{kernel} for {span}" + (" row" if span == "1" else " rows"))
+        return ", ".join(parts)
 
 
 class Linear:
@@ -110,31 +155,27 @@ class Linear:
 
 
 def choose_kernels(plan: KernelPlan, linears: list[Linear], forward_ms: Callable[[int], float],
-                   block_rows: int = 5, reps: int = 5) -> KernelPlan:
-    """Set ``plan`` to the fastest of its ``trying`` kernels for 1 row and for ``block_rows``
-    rows, by timing ``forward_ms(rows)`` (a whole forward) with each kernel, interleaved; then
-    free the weight layouts that are no longer used."""
+                   rows: tuple[int, ...] = MEASURED_ROWS, reps: int = 3) -> KernelPlan:
+    """Set ``plan`` to the fastest of its ``trying`` kernels at each row count in ``rows``, by
+    timing ``forward_ms(rows)`` (a whole forward) with each kernel, interleaved; then free the
+    weight layouts that are no longer used."""
     candidates = plan.trying
     times: dict[tuple[str, int], list[float]] = {}
     for rep in range(reps + 1):  # rep 0 warms up (oneDNN builds its primitives per shape)
-        for rows in (1, block_rows):
+        for m in rows:
             for kernel in candidates:
-                plan.one = plan.block = kernel
-                ms = forward_ms(rows)
+                plan.use(((1, kernel),))
+                ms = forward_ms(m)
                 if rep:
-                    times.setdefault((kernel, rows), []).append(ms)
+                    times.setdefault((kernel, m), []).append(ms)
     med = {key: statistics.median(v) for key, v in times.items()}
-    plan.one = min(candidates, key=lambda k: med[(k, 1)])
-    plan.block = min(candidates, key=lambda k: med[(k, block_rows)])
+    plan.use([(m, min(candidates, key=lambda k: med[(k, m)])) for m in rows])
     plan.trying = ()
     for lin in linears:
         lin.keep_only(plan.used())
-
-    def listed(rows: int) -> str:
-        return " / ".join(f"{k} {med[(k, rows)]:.1f}" for k in candidates)
-
-    log.info("linear kernels: %s for 1 row (%s ms), %s for %d rows (%s ms)",
-             plan.one, listed(1), plan.block, block_rows, listed(block_rows))
+    measured = "; ".join(f"{m}: " + " / ".join(f"{k} {med[(k, m)]:.1f}" for k in candidates)
+                         for m in rows)
+    log.info("linear kernels: %s (ms per forward by rows, %s)", plan.describe(), measured)
     return plan
 
 
