@@ -322,7 +322,7 @@ class LookupSizer:
     number of tokens this generation's lookup blocks had accepted (a decayed average: their
     acceptance is bimodal, a copied span or a miss at once, so no per-token model), it beats
     the verify pass of a round without it; else none, but for a probe every PROBE_EVERY
-    rounds. A lookup costs no draft call: only the longer verify pass is weighed."""
+    rounds (times the sessions in the target's passes, under load). A lookup costs no draft call: only the longer verify pass is weighed."""
 
     def __init__(self, costs: Costs, size: int, prior_accepted: float = 1.0,
                  decay: float = 0.8):
@@ -340,7 +340,8 @@ class LookupSizer:
         if self.worth_it():
             return self.max_size
         self.skipped += 1
-        if self.skipped >= PROBE_EVERY:
+        # Under load a probe lengthens the pass every session shares (as KController.next_k)
+        if self.skipped >= PROBE_EVERY * max(1.0, self.costs.target_batch):
             self.skipped = 0
             return self.max_size
         return 0

@@ -218,6 +218,19 @@ def test_prompt_lookup_stops_when_its_blocks_are_rejected_and_probes_now_and_the
     assert (1 + 1 / 6) / costs.verify_ms(8) < 1 / costs.verify_ms(0) and not rare.worth_it()
 
 
+def test_prompt_lookup_probes_grow_rarer_under_load():
+    """A probe's 8 tokens lengthen the pass every session shares: while the target's passes
+    hold B sessions, a lookup that does not pay is probed every PROBE_EVERY * B rounds."""
+    def probes(batch: float) -> int:
+        costs = live()
+        costs.target_batch = batch
+        sizer = LookupSizer(costs, 8, prior_accepted=0.0)
+        return sum(sizer.size() > 0 for _ in range(640))
+
+    assert probes(1.0) == 640 // adaptive.PROBE_EVERY
+    assert probes(8.0) == 640 // (8 * adaptive.PROBE_EVERY)
+
+
 def test_a_new_generation_can_start_from_the_acceptance_its_predecessors_saw():
     """The orchestrator's pool of its generations' acceptance is a new generation's prior
     once it holds enough (the orchestrator passes it while others run): a draft the last
