@@ -32,6 +32,8 @@ PROBE_EVERY = 16  # rounds at k = 0 between probes of the acceptance
 # ~4.7 sessions): rounds the model predicted ~17% faster at k = 1 gave 0.87x target-only's
 # aggregate throughput; a margin of 25% there brought it to 0.96-1.05x.
 LOAD_MARGIN = 0.06
+# The target's passes hold other sessions (on average over recent calls) above this many
+LOADED_BATCH = 1.5
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -140,7 +142,7 @@ class LiveCosts(Costs):
 
     def pass_ms(self, tokens: float) -> float:
         # the line while passes hold more than one session on average; alone, the calibration
-        line = self._pass_line() if self.target_batch > 1.5 else None
+        line = self._pass_line() if self.target_batch > LOADED_BATCH else None
         if line is None:
             return super().pass_ms(tokens)
         intercept, slope = line
@@ -275,19 +277,52 @@ class KController:
         """Record a pipelined round's verdict: did the speculation cache hold its branch?"""
         self.cache_hit = self.decay * self.cache_hit + (1.0 - self.decay) * float(hit)
 
+    def miss_rate(self, k: int, a: float) -> float:
+        """The share of rounds of k whose block is drafted after the last verdict (between
+        two verify calls), not behind the verify pass: every sequential round; pipelined,
+        the verdicts the speculation cache had no branch for, or without the cache those
+        that did not keep the whole block and the draft's guess of the target's token."""
+        if not self.pipelined:
+            return 1.0
+        if self.branching:
+            return 1.0 - self.cache_hit
+        return 1.0 - a ** (k + 1)
+
     def round_ms(self, k: int, a: float) -> float:
         verify = self.costs.verify_ms(k)
         if k == 0:
             return verify
         draft = self.costs.draft_ms(k)
         sequential = draft + self.costs.verify_ms(k, drafted=True)  # a miss: draft, then verify
-        if not self.pipelined:
+        miss = self.miss_rate(k, a)
+        if miss >= 1.0:
             return sequential
-        if self.branching:  # a hit costs the longer of the verify and the branch call
-            behind = self.costs.branch_call_ms(k, self.width, k)
-            return self.cache_hit * max(verify, behind) + (1.0 - self.cache_hit) * sequential
-        hit = a ** (k + 1)
-        return hit * max(verify, draft + self.costs.draft_step_ms) + (1.0 - hit) * sequential
+        # a hit costs the longer of the verify and the draft behind it
+        behind = self.costs.branch_call_ms(k, self.width, k) if self.branching else \
+            draft + self.costs.draft_step_ms
+        return (1.0 - miss) * max(verify, behind) + miss * sequential
+
+    def raises_throughput(self, k: int, a: float) -> bool:
+        """Under load, whether a block of k raises the target's aggregate throughput.
+
+        With B sessions in its passes the target runs pass after pass, and its passes are what
+        every session shares. A session whose block is ready at the verdict (a hit) rides the
+        next pass with k + 1 tokens; one that drafts between its calls (a miss) comes back
+        after the others' next pass has started (past the scheduler's regroup wait), so that
+        pass runs without it and it rides the one after. Per round of this session: a hit
+        costs pass(B + k) for B - 1 + E tokens, a miss pass(B - 1) + pass(B + k) for
+        2 (B - 1) + E; target-only rounds give B tokens per pass(B). (Per session, in wall
+        time, a drafted round can pay while the pass it leaves costs the others more: on
+        separate cores, 2 clients, drafting in 14% of rounds gave 0.92x target-only's
+        aggregate throughput.) Alone, the target waits for this session anyway: True."""
+        b = self.costs.target_batch
+        if not k or b <= LOADED_BATCH:
+            return True
+        miss = self.miss_rate(k, a)
+        pass_ms = self.costs.pass_ms
+        tokens = (b - 1.0) * (1.0 + miss) + expected_tokens(a, k)
+        ms = pass_ms(b + k) + miss * pass_ms(b - 1.0)
+        return tokens / ms > b / pass_ms(b)
 
     def rate(self, k: int, a: float | None = None) -> float:
         """Expected tokens per millisecond at block length k."""
@@ -296,7 +331,8 @@ class KController:
 
     def best_k(self, a: float | None = None) -> int:
         a = self.acceptance if a is None else a
-        k = max(range(self.k_max + 1), key=lambda k: (self.rate(k, a), -k))
+        ks = [k for k in range(self.k_max + 1) if self.raises_throughput(k, a)]
+        k = max(ks, key=lambda k: (self.rate(k, a), -k))
         margin = LOAD_MARGIN * max(self.costs.target_batch - 1.0, 0.0)
         if k and self.rate(k, a) < (1.0 + margin) * self.rate(0, a):
             return 0  # under load, a gain within what the model leaves out is no gain

@@ -50,8 +50,10 @@ def test_a_verify_that_waits_because_it_drafted_charges_the_wait_to_drafting(mon
     """Under load the target regroups the sessions it just answered into the next pass; a
     session that drafted first comes back late and waits for that whole pass, one that only
     verifies does not. The wait is charged to drafted rounds, so k falls to 0; charged to
-    every round alike (one wait for all) it would make long blocks look cheap."""
+    every round alike (one wait for all) it would make long blocks look cheap. (The load
+    margin and the throughput condition aside: the wait's attribution alone.)"""
     monkeypatch.setattr(adaptive, "LOAD_MARGIN", 0.0)
+    monkeypatch.setattr(adaptive, "LOADED_BATCH", float("inf"))
 
     def run(split_waits: bool) -> int:
         costs = live()
@@ -115,8 +117,10 @@ def test_k_follows_what_batched_passes_cost_not_the_one_session_calibration(monk
     """Batched, the target's pass grows 3.5 ms per token (several sessions' rows) where its
     one-session calibration grows ~1 ms, and each call waits half a pass for the one in
     progress: k is costed by what the passes cost, so it stays 0 at 8 sessions, though the
-    calibration alone would speculate there (without the load margin: the line alone)."""
+    calibration alone would speculate there (without the load margin and the throughput
+    condition: the line alone)."""
     monkeypatch.setattr(adaptive, "LOAD_MARGIN", 0.0)
+    monkeypatch.setattr(adaptive, "LOADED_BATCH", float("inf"))
 
     def batched(m):
         return 20.0 + 3.5 * m
@@ -132,9 +136,11 @@ def test_k_follows_what_batched_passes_cost_not_the_one_session_calibration(monk
     assert _k_after(costs, batch=1) >= 2  # alone again: the calibration, and speculation
 
 
-def test_under_load_a_gain_within_the_margin_is_no_gain():
+def test_under_load_a_gain_within_the_margin_is_no_gain(monkeypatch):
     """While the target batches B sessions, k > 0 needs a predicted gain over k = 0 above
-    LOAD_MARGIN per other session; alone, any gain speculates."""
+    LOAD_MARGIN per other session; alone, any gain speculates. (The throughput condition
+    aside: the margin alone.)"""
+    monkeypatch.setattr(adaptive, "LOADED_BATCH", float("inf"))
     costs = live()
     costs.target_batch = 5.0
     ctl = KController(CURVE, [3.0], costs=costs)
@@ -150,6 +156,49 @@ def test_under_load_a_gain_within_the_margin_is_no_gain():
     assert ctl.best_k(large) > 0
     costs.target_batch = 1.0  # alone: the small gain is taken
     assert gain(small) > 0 and ctl.best_k(small) > 0
+
+
+# T(m) of a 1-thread CPU: ~6 ms per token from 46 ms (the default target here, one core)
+CPU_LINE = [46.0 + 6.0 * m for m in range(16)]
+FLAT = [10.0] * 48 + [10.0 + 0.1 * m for m in range(1, 17)]  # a GPU's: flat to 48
+
+
+def _pipelined(curve, batch, cache_hit, draft=(6.0,)):
+    """A pipelined controller with the speculation cache, whose draft's pass over m rows
+    costs draft[m - 1] ms."""
+    costs = Costs.calibrated(curve, list(draft))
+    costs.target_batch = batch
+    ctl = KController(curve, list(draft[:1]), pipelined=True, costs=costs)
+    ctl.branching, ctl.cache_hit = True, cache_hit
+    return ctl
+
+
+def test_under_load_k_must_raise_the_targets_throughput_not_only_the_sessions_rate():
+    """Two sessions on a CPU target whose pass grows 6 ms a token: at acceptance 0.5 and a
+    cache that holds half the verdicts, a block of 1 raises this session's own rate well
+    past the load margin, yet costs the pair throughput (a miss leaves the other's pass
+    for one of its own), so k is 0; alone it speculates. By hand, per round of this
+    session: (1 x 1.5 + 1.5) tokens / (pass(3) + 0.5 pass(1)) = 3.0 / 81 ms against 2 / 52."""
+    ctl = _pipelined(CPU_LINE, 2.0, 0.5)
+    margin = 1.0 + adaptive.LOAD_MARGIN
+    assert ctl.rate(1, 0.5) > margin * ctl.rate(0, 0.5)  # the session alone would draft
+    assert 3.0 / 81.0 < 2.0 / 52.0 and not ctl.raises_throughput(1, 0.5)
+    assert ctl.best_k(0.5) == 0
+    assert _pipelined(CPU_LINE, 1.0, 0.5).best_k(0.5) > 0  # alone: the session's rate
+    # every verdict in the cache and a good draft: the pass it rides grows 6 ms a token for
+    # (1 + 0.8) tokens: (1 + 1.8) / pass(3) = 2.8 / 58 ms > 2 / 52
+    assert _pipelined(CPU_LINE, 2.0, 1.0).raises_throughput(1, 0.8)
+
+
+def test_a_flat_pass_keeps_speculation_under_load_where_the_cache_holds_the_verdicts():
+    """A GPU-like target (a pass costs the same to 48 tokens): 16 sessions, a draft of
+    acceptance 0.7 whose cache holds 90% of the verdicts speculate; at acceptance 0.3 and a
+    cache that misses half, or in sequential rounds (every round a miss), they do not."""
+    gpu_draft = (1.0,) * 64  # 1 ms a pass, however many branches
+    assert _pipelined(FLAT, 16.0, 0.9, gpu_draft).best_k(0.7) > 0
+    assert _pipelined(FLAT, 16.0, 0.5, gpu_draft).best_k(0.3) == 0
+    sequential = KController(FLAT, [1.0], costs=_pipelined(FLAT, 16.0, 0.9, gpu_draft).costs)
+    assert sequential.miss_rate(2, 0.7) == 1.0 and sequential.best_k(0.7) == 0
 
 
 def test_probes_of_a_draft_that_never_pays_grow_rarer_under_load():
@@ -231,10 +280,12 @@ def test_prompt_lookup_probes_grow_rarer_under_load():
     assert probes(8.0) == 640 // (8 * adaptive.PROBE_EVERY)
 
 
-def test_a_new_generation_can_start_from_the_acceptance_its_predecessors_saw():
+def test_a_new_generation_can_start_from_the_acceptance_its_predecessors_saw(monkeypatch):
     """The orchestrator's pool of its generations' acceptance is a new generation's prior
     once it holds enough (the orchestrator passes it while others run): a draft the last
-    generations rejected is not drafted again for the first rounds of the next one."""
+    generations rejected is not drafted again for the first rounds of the next one. (The
+    throughput condition aside: the prior alone.)"""
+    monkeypatch.setattr(adaptive, "LOADED_BATCH", float("inf"))
     costs = live()
     costs.target_batch = 4.0
     pool = adaptive.Acceptance(decay=adaptive.POOL_DECAY)
