@@ -192,6 +192,29 @@ class LiveCosts(Costs):
             self.draft_call_ms = d * self.draft_call_ms + (1 - d) * beyond
 
 
+def raises_throughput(costs: Costs, k: int, tokens: float, miss: float) -> bool:
+    """Under load, whether a session's block of k, yielding ``tokens`` per round, raises the
+    target's aggregate throughput; ``miss``: the share of its rounds whose block is drafted
+    between two verify calls (not ready when the verdict comes).
+
+    With B sessions in its passes the target runs pass after pass, and its passes are what
+    every session shares. A session whose block is ready at the verdict (a hit, a lookup)
+    rides the next pass with k + 1 tokens; one that drafts between its calls (a miss) comes
+    back after the others' next pass has started (past the scheduler's regroup wait), so that
+    pass runs without it and it rides the one after. Per round of this session: a hit costs
+    pass(B + k) for B - 1 + E tokens, a miss pass(B - 1) + pass(B + k) for 2 (B - 1) + E;
+    target-only rounds give B tokens per pass(B). (Per session, in wall time, a drafted round
+    can pay while the pass it leaves costs the others more: on separate cores, 2 clients,
+    drafting in 14% of rounds gave 0.92x target-only's aggregate throughput.) Alone, the
+    target waits for this session anyway: True."""
+    b = costs.target_batch
+    if not k or b <= LOADED_BATCH:
+        return True
+    total = (b - 1.0) * (1.0 + miss) + tokens
+    ms = costs.pass_ms(b + k) + miss * costs.pass_ms(b - 1.0)
+    return total / ms > b / costs.pass_ms(b)
+
+
 MAX_STEADY_TOKENS = 16  # committed tokens a steady round's call sends at most (more: prefill)
 
 
@@ -303,26 +326,9 @@ class KController:
         return (1.0 - miss) * max(verify, behind) + miss * sequential
 
     def raises_throughput(self, k: int, a: float) -> bool:
-        """Under load, whether a block of k raises the target's aggregate throughput.
-
-        With B sessions in its passes the target runs pass after pass, and its passes are what
-        every session shares. A session whose block is ready at the verdict (a hit) rides the
-        next pass with k + 1 tokens; one that drafts between its calls (a miss) comes back
-        after the others' next pass has started (past the scheduler's regroup wait), so that
-        pass runs without it and it rides the one after. Per round of this session: a hit
-        costs pass(B + k) for B - 1 + E tokens, a miss pass(B - 1) + pass(B + k) for
-        2 (B - 1) + E; target-only rounds give B tokens per pass(B). (Per session, in wall
-        time, a drafted round can pay while the pass it leaves costs the others more: on
-        separate cores, 2 clients, drafting in 14% of rounds gave 0.92x target-only's
-        aggregate throughput.) Alone, the target waits for this session anyway: True."""
-        b = self.costs.target_batch
-        if not k or b <= LOADED_BATCH:
-            return True
-        miss = self.miss_rate(k, a)
-        pass_ms = self.costs.pass_ms
-        tokens = (b - 1.0) * (1.0 + miss) + expected_tokens(a, k)
-        ms = pass_ms(b + k) + miss * pass_ms(b - 1.0)
-        return tokens / ms > b / pass_ms(b)
+        """Under load, whether a block of k raises the target's aggregate throughput (the
+        module's ``raises_throughput``, at this controller's miss rate)."""
+        return raises_throughput(self.costs, k, expected_tokens(a, k), self.miss_rate(k, a))
 
     def rate(self, k: int, a: float | None = None) -> float:
         """Expected tokens per millisecond at block length k."""
@@ -353,6 +359,14 @@ class KController:
         return k
 
 
+# A generation's lookup blocks start from this mean accepted tokens, or, while others run,
+# from what the orchestrator's recent lookups accepted (LookupPool): each generation used to
+# start at 1.0 and try 2-3 blocks before its mean fell below the break-even, which under load
+# lengthened the pass every session shares (measured on separate cores, 2 clients, chat
+# prompts: 20 lookup rounds in 273, 122 tokens proposed for 3 accepted).
+LOOKUP_PRIOR = 1.0
+
+
 class LookupSizer:
     """All or nothing for prompt-lookup blocks: a block of ``size`` tokens when, at the mean
     number of tokens this generation's lookup blocks had accepted (a decayed average: their
@@ -360,15 +374,21 @@ class LookupSizer:
     the verify pass of a round without it; else none, but for a probe every PROBE_EVERY
     rounds (times the sessions in the target's passes, under load). A lookup costs no draft call: only the longer verify pass is weighed."""
 
-    def __init__(self, costs: Costs, size: int, prior_accepted: float = 1.0,
-                 decay: float = 0.8):
+    def __init__(self, costs: Costs, size: int, prior_accepted: float = LOOKUP_PRIOR,
+                 decay: float = 0.8, pool: "LookupPool | None" = None):
+        """``pool``: the lookups of the orchestrator's recent generations, told what this
+        one's accept (``pool.prior()`` is what the orchestrator passes as ``prior_accepted``
+        while others run)."""
         self.costs = costs
         self.max_size = size
         self.mean_accepted = prior_accepted
         self.decay = decay
+        self.pool = pool
         self.skipped = 0
 
     def worth_it(self) -> bool:
+        # (Under load verify_ms costs every session's block at this size: stricter than
+        # raises_throughput for a block that is ready at the verdict, as a lookup is.)
         return (1.0 + self.mean_accepted) / self.costs.verify_ms(self.max_size) > \
             1.0 / self.costs.verify_ms(0)
 
@@ -384,6 +404,26 @@ class LookupSizer:
 
     def observe(self, accepted: int) -> None:
         self.mean_accepted = self.decay * self.mean_accepted + (1 - self.decay) * accepted
+        if self.pool is not None:
+            self.pool.observe(accepted)
+
+
+class LookupPool:
+    """Mean tokens accepted per lookup block over an orchestrator's recent generations (a
+    decayed mean, with the weight of what it has seen)."""
+
+    def __init__(self, decay: float = 0.95):
+        self.sum = 0.0
+        self.weight = 0.0
+        self.decay = decay
+
+    def observe(self, accepted: int) -> None:
+        self.sum = self.sum * self.decay + accepted
+        self.weight = self.weight * self.decay + 1.0
+
+    def prior(self) -> float:
+        """The pooled mean once it holds POOL_MIN_WEIGHT blocks' worth, else LOOKUP_PRIOR."""
+        return self.sum / self.weight if self.weight >= POOL_MIN_WEIGHT else LOOKUP_PRIOR
 
 
 MAX_WIDTH = 4  # candidates per acceptance length the speculation cache drafts at most

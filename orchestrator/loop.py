@@ -23,6 +23,7 @@ import uuid
 from typing import AsyncIterator
 
 from orchestrator.adaptive import (
+    LOOKUP_PRIOR,
     POOL_DECAY,
     PRIOR_A,
     Acceptance,
@@ -30,6 +31,7 @@ from orchestrator.adaptive import (
     Costs,
     KController,
     LiveCosts,
+    LookupPool,
     LookupSizer,
 )
 from orchestrator.generation import (
@@ -107,6 +109,7 @@ class Orchestrator:
         # The draft's acceptance over recent generations (drafter-invariant ones): the prior
         # of the adaptive k of a generation that starts while others run (_controller).
         self.acceptance = Acceptance(decay=POOL_DECAY)
+        self.lookups = LookupPool()  # ... and their lookup blocks' accepted tokens
 
     def _calibrated_costs(self, kind: type[Costs] = Costs) -> Costs:
         """Costs from the services' start-up calibration (GetInfo.forward_ms)."""
@@ -152,7 +155,11 @@ class Orchestrator:
         return self.branch_widths or BranchWidth(self._costs(req))
 
     def _lookup_sizer(self, req: GenerationRequest) -> LookupSizer:
-        return LookupSizer(self._costs(req), LOOKUP_MAX_TOKENS)
+        # As the draft's acceptance (_controller): the pool only where lookups cannot change
+        # the text, as the prior only while other generations run.
+        pool = self.lookups if req.sampling.drafter_invariant else None
+        prior = pool.prior() if pool is not None and self.active > 0 else LOOKUP_PRIOR
+        return LookupSizer(self._costs(req), LOOKUP_MAX_TOKENS, prior, pool=pool)
 
     async def generate(self, req: GenerationRequest) -> GenerationResult:
         """Run a generation to the end and return its result."""

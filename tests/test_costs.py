@@ -312,3 +312,39 @@ def test_a_new_generation_can_start_from_the_acceptance_its_predecessors_saw(mon
         good.observe(4, 4)
     assert KController(CURVE, [3.0], costs=costs, prior_a=good.prior()).next_k() > \
         fresh.next_k()
+
+
+def test_a_generation_starting_under_load_starts_its_lookups_from_what_recent_ones_accepted():
+    """Each generation's lookup blocks start at LOOKUP_PRIOR accepted tokens alone; while
+    others run, from the orchestrator's pool of recent lookups once it holds enough, so a
+    prompt set whose lookups miss stops proposing them at once. Only where lookups cannot
+    change the text (else a seeded request's text would depend on what ran before it)."""
+    from orchestrator.generation import GenerationRequest
+    from orchestrator.loop import Orchestrator
+    from specdec.config import SamplingParams
+
+    class Info:
+        forward_ms = CURVE
+
+    class Client:
+        info = Info()
+
+    orch = Orchestrator(Client(), Client(), tokenizer=None, eos_ids=[], max_context=512)
+    greedy = GenerationRequest([1], 8)
+    first = orch._lookup_sizer(greedy)
+    assert first.mean_accepted == adaptive.LOOKUP_PRIOR and first.pool is orch.lookups
+    orch.active = 1
+    first.observe(1)
+    while orch.lookups.weight < adaptive.POOL_MIN_WEIGHT:
+        assert orch._lookup_sizer(greedy).mean_accepted == adaptive.LOOKUP_PRIOR  # too few yet
+        first.observe(0)  # blocks that missed, told to the pool
+    pooled = orch.lookups.prior()
+    assert 0.0 < pooled < 0.2
+    loaded = orch._lookup_sizer(greedy)
+    assert loaded.mean_accepted == pooled and not loaded.worth_it()
+    orch.active = 0  # alone: the prior again
+    assert orch._lookup_sizer(greedy).mean_accepted == adaptive.LOOKUP_PRIOR
+    orch.active = 1
+    rejection = orch._lookup_sizer(GenerationRequest([1], 8, SamplingParams(
+        temperature=0.8, rule="rejection")))
+    assert rejection.pool is None and rejection.mean_accepted == adaptive.LOOKUP_PRIOR
