@@ -140,7 +140,7 @@ class ServiceConfig:
     # in groups (BatchScheduler._regroup). A lone session pays nothing: nothing else waits.
     regroup_ms: float = 5.0
     prefill_chunk: int = 256  # prompt tokens per forward pass, so prefill cannot starve rounds
-    kernels: str = "auto"  # CPU linear kernels: auto (fastest per shape), onednn, mkl, mkl-t
+    kernels: str = "auto"  # CPU linear kernels: auto (fastest per row count), onednn, mkl, mkl-t
     calibrate: bool = True  # measure forward costs at start (reported in GetInfo)
     tls_cert: str | None = None
     tls_key: str | None = None

@@ -43,7 +43,7 @@ def add_service_arguments(parser, default_model: str) -> None:
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="CPU linear kernels: auto times oneMKL (as stored and on the "
                              "transposed weight, mkl-t) and prepacked oneDNN at start and keeps "
-                             "the fastest for 1 token and for blocks (default)")
+                             "the fastest at each number of rows (default)")
     parser.add_argument("--no-calibrate", action="store_true")
     parser.add_argument("--tls-cert")
     parser.add_argument("--tls-key")
