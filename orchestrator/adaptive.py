@@ -372,7 +372,8 @@ class LookupSizer:
     number of tokens this generation's lookup blocks had accepted (a decayed average: their
     acceptance is bimodal, a copied span or a miss at once, so no per-token model), it beats
     the verify pass of a round without it; else none, but for a probe every PROBE_EVERY
-    rounds (times the sessions in the target's passes, under load). A lookup costs no draft call: only the longer verify pass is weighed."""
+    rounds (times the sessions in the target's passes, under load). A lookup costs no draft
+    call: only the longer verify pass is weighed."""
 
     def __init__(self, costs: Costs, size: int, prior_accepted: float = LOOKUP_PRIOR,
                  decay: float = 0.8, pool: "LookupPool | None" = None):
