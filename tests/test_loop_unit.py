@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 
+from orchestrator import adaptive
 from orchestrator.generation import GenerationRequest
 from orchestrator.loop import Orchestrator
 from orchestrator.service_clients import CallRecord, ServiceError
@@ -246,8 +247,10 @@ def test_the_cache_width_follows_the_costs_and_narrows_when_calls_run_long():
                   draft_forward=[2.0 + 0.25 * i for i in range(16)], draft_call_ms=0.5)
     widths = BranchWidth(costs)
     wide = widths.choose(3, 3)
-    assert wide == 4  # 4 * (k + 1) = 16 branches hide behind a 36 ms verify
-    assert costs.branch_call_ms(3, wide, 3) <= costs.verify_ms(3)
+    # the widest whose call hides behind a 37 ms verify: 9 * (k + 1) = 36 branches
+    assert wide == 9 < adaptive.MAX_WIDTH
+    assert costs.branch_call_ms(3, wide, 3) <= costs.verify_ms(3) < \
+        costs.branch_call_ms(3, wide + 1, 3)
     for _ in range(12):  # the calls take 3x what the costs predict (a busy draft)
         widths.observe(3, wide, 3, 3 * costs.branch_call_ms(3, wide, 3))
     assert widths.choose(3, 3) < wide
