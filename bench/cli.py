@@ -242,15 +242,13 @@ def cmd_bench_verify(args) -> int:
         engines[name], _, _ = load_engine(args.target, torch.device("cpu"), name)
     ctx, ms = args.context, range(1, args.max_tokens + 1)
     prompt = torch.arange(ctx) % 1000 + 10
-    caches = {n: e.new_cache() for n, e in engines.items()}
-    for n, e in engines.items():
-        e.forward([caches[n]], [prompt], [1])
+    timers = {n: e.forward_timer(ctx, args.max_tokens) for n, e in engines.items()}
     times = {n: {m: [] for m in ms} for n in [*engines, "in-service"]}
     for _ in tqdm(range(args.reps), desc="engine cost", unit="rep"):
         for m in ms:
-            for n, e in engines.items():  # interleaved
-                times[n][m].append(e.timed_forward(caches[n], ctx, torch.arange(m) + 100))
-    del engines, caches
+            for n, timer in timers.items():  # interleaved
+                times[n][m].append(timer(m))
+    del engines, timers
     for m, values in _in_service_verify_ms(args.target, args.threads, prompt.tolist(), ms,
                                            args.reps).items():
         times["in-service"][m] = values

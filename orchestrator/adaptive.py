@@ -110,6 +110,12 @@ class Costs:
         """A draft call for k tokens (one step each)."""
         return k * self.draft_step_ms + self.draft_call_ms
 
+    def probe_every(self) -> float:
+        """Rounds between probes of a block that does not pay (the draft's, a lookup's):
+        PROBE_EVERY alone, times the sessions in the target's passes under load, where a probe
+        costs more than its own round (it lengthens, or leaves, the pass they share)."""
+        return PROBE_EVERY * max(1.0, self.target_batch)
+
 
 def _curve(t: list[float], tokens: float) -> float:
     """A calibrated forward-cost curve t[m - 1] = T(m), extended past its end at the slope of
@@ -351,8 +357,7 @@ class KController:
         # Under load a probe costs more than its own round (it leaves the target's regrouped
         # pass for a round, the draft catches up on the tokens since its last call): probe
         # less often as more sessions share the passes.
-        every = PROBE_EVERY * max(1.0, self.costs.target_batch)
-        if k == 0 and self.zero_rounds >= every and not after_full_accept:
+        if k == 0 and self.zero_rounds >= self.costs.probe_every() and not after_full_accept:
             # Occasionally try a short block, or a draft that improved would never be noticed.
             self.zero_rounds = 0
             k = 2
@@ -397,8 +402,7 @@ class LookupSizer:
         if self.worth_it():
             return self.max_size
         self.skipped += 1
-        # Under load a probe lengthens the pass every session shares (as KController.next_k)
-        if self.skipped >= PROBE_EVERY * max(1.0, self.costs.target_batch):
+        if self.skipped >= self.costs.probe_every():
             self.skipped = 0
             return self.max_size
         return 0

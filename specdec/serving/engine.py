@@ -187,17 +187,19 @@ class LlamaEngine:
         self.act = F.silu if arch.hidden_act == "silu" else \
             (lambda x: F.gelu(x, approximate="tanh"))
         if plan is not None and plan.trying:
-            choose_kernels(plan, self._linears(), self._forward_timer())
+            choose_kernels(plan, self._linears(), self.forward_timer())
 
     def _linears(self) -> list[Linear]:
         return [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down")] + [
             self.head]
 
-    def _forward_timer(self, context: int = 128) -> Callable[[int], float]:
-        """ms(rows): milliseconds of one forward over ``rows`` new tokens after ``context``
-        tokens (one cache, prefilled once: each probe cuts it back to the context)."""
+    def forward_timer(self, context: int = 128, max_rows: int = max(MEASURED_ROWS),
+                      ) -> Callable[[int], float]:
+        """ms(rows): milliseconds of one forward over ``rows`` <= ``max_rows`` new tokens after
+        ``context`` tokens (one cache, prefilled once: each probe cuts it back to the context).
+        What kernel choice, start-up calibration and ``specdec bench-verify`` time."""
         cache = self.new_cache()
-        tokens = torch.arange(context + max(MEASURED_ROWS), device=self.device) % self.vocab_in
+        tokens = torch.arange(context + max_rows, device=self.device) % self.vocab_in
         self.forward([cache], [tokens[:context]], [1])
         return lambda rows: self.timed_forward(cache, context, tokens[context:context + rows])
 

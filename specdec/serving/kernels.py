@@ -104,7 +104,7 @@ class KernelPlan:
         return {kernel for _, kernel in self.chosen} | set(self.trying)
 
     def describe(self) -> str:
-        """e.g. "mkl-t for 1 row, mkl for 2-3, onednn for 4+"."""
+        """e.g. "mkl-t for 1 row, mkl for 2-3 rows, onednn for 4+ rows"."""
         parts = []
         for i, (rows, kernel) in enumerate(self.chosen):
             end = self.chosen[i + 1][0] - 1 if i + 1 < len(self.chosen) else None

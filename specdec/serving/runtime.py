@@ -12,7 +12,6 @@ import itertools
 import logging
 import statistics
 
-import torch
 
 from specdec.config import ServiceConfig
 from specdec.serving.branching import BranchCall, BranchWork
@@ -46,14 +45,11 @@ def calibrate(engine: LlamaEngine, max_tokens: int = 16, context: int = 128, rep
     interleaved passes, so a slow moment of a busy machine hits every m alike. A forward over
     more tokens never costs less, so the medians are made non-decreasing in m.
     """
-    cache = engine.new_cache()
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, engine.vocab_in, (context + max_tokens,), generator=gen)
-    engine.forward([cache], [tokens[:context]], [1])
+    forward_ms = engine.forward_timer(context, max_tokens)
     times: list[list[float]] = [[] for _ in range(max_tokens)]
     for rep in range(reps + 1):
         for m in range(1, max_tokens + 1):
-            ms = engine.timed_forward(cache, context, tokens[context : context + m])
+            ms = forward_ms(m)
             if rep:  # rep 0 is the warm-up
                 times[m - 1].append(ms)
     medians = [statistics.median(t) for t in times]
