@@ -306,24 +306,25 @@ class KController:
         """Record a pipelined round's verdict: did the speculation cache hold its branch?"""
         self.cache_hit = self.decay * self.cache_hit + (1.0 - self.decay) * float(hit)
 
-    def miss_rate(self, k: int, a: float) -> float:
+    def miss_rate(self, k: int, a: float, now: bool = False) -> float:
         """The share of rounds of k whose block is drafted after the last verdict (between
         two verify calls), not behind the verify pass: every sequential round; pipelined,
         the verdicts the speculation cache had no branch for, or without the cache those
-        that did not keep the whole block and the draft's guess of the target's token."""
-        if not self.pipelined:
+        that did not keep the whole block and the draft's guess of the target's token.
+        ``now``: this round's block is drafted after the verdict (a pipelined miss): 1."""
+        if now or not self.pipelined:
             return 1.0
         if self.branching:
             return 1.0 - self.cache_hit
         return 1.0 - a ** (k + 1)
 
-    def round_ms(self, k: int, a: float) -> float:
+    def round_ms(self, k: int, a: float, now: bool = False) -> float:
         verify = self.costs.verify_ms(k)
         if k == 0:
             return verify
         draft = self.costs.draft_ms(k)
         sequential = draft + self.costs.verify_ms(k, drafted=True)  # a miss: draft, then verify
-        miss = self.miss_rate(k, a)
+        miss = self.miss_rate(k, a, now)
         if miss >= 1.0:
             return sequential
         # a hit costs the longer of the verify and the draft behind it
@@ -331,29 +332,38 @@ class KController:
             draft + self.costs.draft_step_ms
         return (1.0 - miss) * max(verify, behind) + miss * sequential
 
-    def raises_throughput(self, k: int, a: float) -> bool:
+    def raises_throughput(self, k: int, a: float, now: bool = False) -> bool:
         """Under load, whether a block of k raises the target's aggregate throughput (the
         module's ``raises_throughput``, at this controller's miss rate)."""
-        return raises_throughput(self.costs, k, expected_tokens(a, k), self.miss_rate(k, a))
+        return raises_throughput(self.costs, k, expected_tokens(a, k),
+                                 self.miss_rate(k, a, now))
 
-    def rate(self, k: int, a: float | None = None) -> float:
-        """Expected tokens per millisecond at block length k."""
+    def rate(self, k: int, a: float | None = None, now: bool = False) -> float:
+        """Expected tokens per millisecond at block length k (``now``: of a round whose
+        block is drafted after the verdict, as ``miss_rate``)."""
         a = self.acceptance if a is None else a
-        return expected_tokens(a, k) / self.round_ms(k, a)
+        return expected_tokens(a, k) / self.round_ms(k, a, now)
 
-    def best_k(self, a: float | None = None) -> int:
+    def best_k(self, a: float | None = None, now: bool = False) -> int:
+        """The block length of the highest rate. ``now``: for a round whose block is drafted
+        after the verdict, a pipelined miss. Its draft steps are paid in full whatever the
+        next rounds hit, so it is chosen as a sequential round's, often shorter (a target
+        pass of 40 + 6m ms, a 4 ms draft step, acceptance 0.45: drafted now, a block of 2
+        costs 70 ms for 1.65 tokens, one of 1 costs 60 for 1.45; at a 60% hit rate the 2
+        is the faster). The draft still drafts the cache behind it."""
         a = self.acceptance if a is None else a
-        ks = [k for k in range(self.k_max + 1) if self.raises_throughput(k, a)]
-        k = max(ks, key=lambda k: (self.rate(k, a), -k))
+        ks = [k for k in range(self.k_max + 1) if self.raises_throughput(k, a, now)]
+        k = max(ks, key=lambda k: (self.rate(k, a, now), -k))
         margin = LOAD_MARGIN * max(self.costs.target_batch - 1.0, 0.0)
-        if k and self.rate(k, a) < (1.0 + margin) * self.rate(0, a):
+        if k and self.rate(k, a, now) < (1.0 + margin) * self.rate(0, a, now):
             return 0  # under load, a gain within what the model leaves out is no gain
         return k
 
-    def next_k(self, after_full_accept: bool = False) -> int:
+    def next_k(self, after_full_accept: bool = False, now: bool = False) -> int:
+        """k for the next block (``now``: one drafted after the verdict, see ``best_k``)."""
         if self.fixed_k is not None:
             return self.fixed_k
-        k = self.best_k()
+        k = self.best_k(now=now)
         # Under load a probe costs more than its own round (it leaves the target's regrouped
         # pass for a round, the draft catches up on the tokens since its last call): probe
         # less often as more sessions share the passes.

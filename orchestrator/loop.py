@@ -302,7 +302,10 @@ class _Drafting:
         drafted)."""
         if self.crowded():  # a target-only round: the target batches it with the others'
             return Block([], source="crowded", k=0)
-        k = max(min(self.next_k(), remaining - 1, MAX_K), 0)
+        # Pipelined, a round with nothing carried over (a miss) drafts its block now, after
+        # the verdict: k as a sequential round's (KController.best_k).
+        now = carried is None and not first_round
+        k = max(min(self.next_k(now=now), remaining - 1, MAX_K), 0)
         draft = self.orch.draft
         if carried is None and self.lookup is not None:
             found = _lookup_block(history.tokens, min(self.lookup.size(), remaining - 1),
@@ -331,11 +334,11 @@ class _Drafting:
         block.k = k
         return block
 
-    def next_k(self, after_full_accept: bool = False) -> int:
+    def next_k(self, after_full_accept: bool = False, now: bool = False) -> int:
         """The controller's k, or 0 while the generation is ``crowded``."""
         if self.k_ctl is None or self.crowded():
             return 0
-        return self.k_ctl.next_k(after_full_accept)
+        return self.k_ctl.next_k(after_full_accept, now)
 
     def crowded(self) -> bool:
         """Whether other generations share the cores with this one: then it drafts nothing.
@@ -406,7 +409,11 @@ class _Pipeline:
         self.shape = (0, 0, 0)  # (k, width, depth) of the branch call in flight
 
     def draft_behind(self, history: History, block: Block, remaining: int) -> None:
-        if not (block.tokens or block.source == "first"):
+        # Behind a round of no block too when the cache is on (a miss whose block did not pay
+        # to draft now): its branches are the next token's likeliest candidates.
+        if not (block.tokens or block.source == "first" or
+                (self.widths is not None and block.source == "none" and
+                 not block.draft_failed)):
             return
         room = remaining - len(block.tokens) - 1
         if room <= 0:

@@ -348,3 +348,25 @@ def test_a_generation_starting_under_load_starts_its_lookups_from_what_recent_on
     rejection = orch._lookup_sizer(GenerationRequest([1], 8, SamplingParams(
         temperature=0.8, rule="rejection")))
     assert rejection.pool is None and rejection.mean_accepted == adaptive.LOOKUP_PRIOR
+
+
+def test_a_pipelined_miss_drafts_its_block_as_a_sequential_round_would():
+    """A pipelined round that the cache missed drafts its block after the verdict: its draft
+    steps are paid in full whatever later rounds hit, so its k is the sequential round's,
+    shorter than a round costed at the cache's hit rate. One core each (T(m) = 40 + 6m ms,
+    a 4 ms draft step and a 3 ms call), acceptance 0.45, the cache holding 60% of the
+    verdicts: a block of 2 makes 1.65 tokens, one of 1 makes 1.45; drafted now they cost 70
+    ms (11 of drafting, then a 59 ms verify) against 60 (7 + 53): 23.6 against 24.2 tokens
+    a second, where costed at the hit rate (a hit costs only the verify or the branch call
+    behind it) the block of 2 is the faster."""
+    costs = Costs.calibrated(CPU_LINE, [4.0])
+    costs.draft_call_ms = 3.0
+    ctl = KController(CPU_LINE, [4.0], pipelined=True, costs=costs)
+    ctl.branching, ctl.cache_hit = True, 0.6
+    assert ctl.best_k(0.45) == 2
+    assert ctl.best_k(0.45, now=True) == 1
+    assert ctl.round_ms(2, 0.45) < 65.0 < ctl.round_ms(2, 0.45, now=True)
+    assert ctl.round_ms(2, 0.45, now=True) == costs.draft_ms(2) + \
+        costs.verify_ms(2, drafted=True) == 70.0
+    sequential = KController(CPU_LINE, [4.0], costs=costs)  # every round is drafted now
+    assert sequential.best_k(0.45) == sequential.best_k(0.45, now=True) == 1

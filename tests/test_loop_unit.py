@@ -240,6 +240,31 @@ def test_the_speculation_cache_serves_the_verdicts_it_drafted_for():
     assert plain.branches_drafted == 0
 
 
+def test_a_miss_round_that_drafts_nothing_still_drafts_the_cache_behind_it(monkeypatch):
+    """A pipelined miss drafts its block after the verdict, costed as a sequential round's
+    (KController.best_k, now): where that does not pay, the round verifies no block, but the
+    draft still drafts the cache's branches behind it (the target's likeliest next tokens,
+    each with its block), so the next round can hit again instead of every later round
+    missing, drafting nothing behind nothing."""
+    monkeypatch.setattr(adaptive.KController, "best_k",
+                        lambda self, a=None, now=False: 0 if now else 3)
+
+    class Blind(FakeDraft):  # at every 7th position no candidate is the target's token
+        def candidates(self, seq, width, exclude):
+            if len(seq) % 7:
+                return super().candidates(seq, width, exclude)
+            return [(target_next(seq) + 10 + i) % (VOCAB - 1) for i in range(width)]
+
+    target, draft = FakeTarget(), Blind(wrong_every=3)
+    result = generate("pipelined", None, max_new=80, target=target, draft=draft)
+    s = result.stats
+    assert result.token_ids == target_text([5, 11, 23], 80)
+    empty = [block for _, block in target.verified[1:] if not block]
+    assert len(empty) >= 3  # miss rounds: nothing drafted now
+    assert s.pipeline_misses >= len(empty) - 1
+    assert s.pipeline_hits >= 3 * len(empty)  # each is followed by hits again
+
+
 def test_the_cache_width_follows_the_costs_and_narrows_when_calls_run_long():
     from orchestrator.adaptive import BranchWidth, Costs
 
