@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 # CPU linear kernels (specdec.serving.kernels): "auto" measures the others at start
-KERNEL_CHOICES = ("auto", "onednn", "mkl", "mkl-t")
+KERNEL_CHOICES = ("auto", "onednn", "mkl", "mkl-t", "smallm")
 
 MAX_K = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)

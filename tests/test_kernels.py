@@ -16,19 +16,24 @@ from specdec.serving.kernels import (
     MKL_T,
     MEASURED_ROWS,
     ONEDNN,
+    SMALLM,
     KernelPlan,
     Linear,
     choose_kernels,
     prepack_available,
+    smallm_available,
 )
 
 needs_onednn = pytest.mark.skipif(not prepack_available(torch.device("cpu")),
                                   reason="this torch build has no oneDNN")
+HAS_SMALLM = smallm_available(torch.device("cpu"))
+needs_smallm = pytest.mark.skipif(not HAS_SMALLM, reason="no C compiler or no AVX2 / AVX-512")
+ALL = [MKL, MKL_T, ONEDNN] + ([SMALLM] if HAS_SMALLM else [])
 
 
 @needs_onednn
-@pytest.mark.parametrize("one", [MKL, MKL_T, ONEDNN])
-@pytest.mark.parametrize("block", [MKL, MKL_T, ONEDNN])
+@pytest.mark.parametrize("one", ALL)
+@pytest.mark.parametrize("block", ALL)
 @pytest.mark.parametrize("bias", [True, False])
 def test_every_plan_computes_the_same_product(one, block, bias):
     gen = torch.Generator().manual_seed(0)
@@ -42,6 +47,24 @@ def test_every_plan_computes_the_same_product(one, block, bias):
     assert (lin.plain is not None) == (MKL in (one, block))
     assert (lin.transposed is not None) == (MKL_T in (one, block))
     assert (lin.packed is not None) == (ONEDNN in (one, block))
+    assert (lin.panels is not None) == (SMALLM in (one, block))
+
+
+@needs_smallm
+@pytest.mark.parametrize("out_features", [1, 15, 16, 37, 48, 64, 100, 576])
+def test_smallm_computes_the_product_for_every_row_count_and_ragged_panels(out_features):
+    """Every row count up to two chunks of 8 and output widths that leave 1..3 panels of a
+    group and a partial last panel (the kernel's tails), with and without a bias."""
+    gen = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, 72, generator=gen)
+    b = torch.randn(out_features, generator=gen)
+    plain, biased = (Linear(w, bias, KernelPlan.fixed(SMALLM)) for bias in (None, b))
+    for rows in range(1, 18):
+        x = torch.randn(rows, 72, generator=gen)
+        torch.testing.assert_close(plain(x), x @ w.T, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(biased(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    rows = torch.randn(3, 144, generator=gen)[:, ::2]  # a strided view: copied, not misread
+    torch.testing.assert_close(plain(rows), rows @ w.T, rtol=1e-5, atol=1e-5)
 
 
 def test_a_row_count_takes_the_kernel_of_the_last_pair_at_or_below_it():
@@ -119,15 +142,16 @@ def test_an_engine_measures_every_kernel_and_keeps_one_per_row_count(tiny_models
     assert [int(part.split(":")[0]) for part in measured] == list(MEASURED_ROWS)
     for part in measured:
         listed = part.split(": ", 1)[1]
-        assert [k.split()[0] for k in listed.split(" / ")] == [MKL, MKL_T, ONEDNN]
+        assert [k.split()[0] for k in listed.split(" / ")] == ALL
     plan = engine.kernels
     assert plan.trying == ()
-    assert plan.used() <= {MKL, MKL_T, ONEDNN}
+    assert plan.used() <= set(ALL)
     assert plan.describe() in message
     for lin in engine._linears():
         assert lin.plan is plan
         kept = {k for k, layout in ((MKL, lin.plain), (MKL_T, lin.transposed),
-                                     (ONEDNN, lin.packed)) if layout is not None}
+                                     (ONEDNN, lin.packed), (SMALLM, lin.panels))
+                if layout is not None}
         assert kept == plan.used()
 
 

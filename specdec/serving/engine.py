@@ -32,10 +32,12 @@ from specdec.serving.kernels import (
     MKL,
     MKL_T,
     ONEDNN,
+    SMALLM,
     KernelPlan,
     Linear,
     choose_kernels,
     prepack_available,
+    smallm_available,
     timed,
 )
 
@@ -126,13 +128,18 @@ class LlamaEngine:
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.float16
         # CPU linear kernels (specdec.serving.kernels): "auto" times them at start and keeps the
         # fastest per shape; "mkl" is F.linear, "mkl-t" oneMKL on the transposed weight,
-        # "onednn" prepacked weights. GPUs use F.linear.
+        # "onednn" prepacked weights, "smallm" specdec's own few-rows kernel. GPUs use F.linear.
         onednn = prepack_available(self.device)  # (False off CPU)
         if kernels == "onednn" and not onednn:
             raise ValueError("kernels='onednn' needs a CPU build of torch with oneDNN")
+        smallm = smallm_available(self.device)
+        if kernels == "smallm" and not smallm:
+            raise ValueError("kernels='smallm' needs a CPU with AVX-512 or AVX2 + FMA and a C "
+                             "compiler (cc, gcc or $CC)")
         plan = None
         if self.device.type == "cpu":
-            plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ())) \
+            plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ()) +
+                              ((SMALLM,) if smallm else ())) \
                 if kernels == "auto" else KernelPlan.fixed(kernels)
         self.kernels = plan
 

@@ -1,6 +1,6 @@
 """Linear layers on the fastest kernel this CPU has for each input shape.
 
-Three kernels compute the same matrix product on CPU:
+Four kernels compute the same matrix product on CPU:
 
 - ``mkl``: ``F.linear`` (oneMKL SGEMM on the weight as stored, [out, in]), what transformers runs;
 - ``mkl-t``: oneMKL on the weight stored transposed once ([in, out], contiguous), ``x @ W^T``
@@ -12,6 +12,14 @@ Three kernels compute the same matrix product on CPU:
   (``_reorder_linear_weight`` / ``_linear_pointwise``, the path PyTorch's own CPU compiler
   takes), the fastest for blocks of rows on AMD processors, where oneMKL does not use its
   small-M paths (5 rows: ~1.4x one row's forward against ~2x with ``mkl``).
+- ``smallm``: specdec's own one-thread kernel (``native/smallm.c``, AVX-512 or AVX2, built at
+  first use with the system's C compiler; absent without one) on the weight packed once in
+  panels of 16 or 8 output columns: it streams the weight once for all of a block's rows, so
+  on a memory-bound core a block of 2-8 rows costs about one row's pass (the default target's
+  linear layers on one Xeon core: 33 / 34 / 34 / 34 / 38 ms at 1 / 2 / 3 / 4 / 8 rows against
+  the best of the other three's 34 / 40 / 44 / 44 / 51), where the SGEMM libraries pad a few
+  rows to their micro-kernel's and turn compute-bound. With two or more threads the
+  libraries' parallel passes usually win the timing.
 
 Which is faster depends on the processor and on the number of rows M, so an engine measures
 them at start (``choose_kernels``) at a few row counts (1, 2, 3, 4, 6, 8 and 16: one token,
@@ -30,10 +38,18 @@ to ~5e-5), which the exactness notes in the README account for.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
+import hashlib
 import logging
+import os
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -41,7 +57,71 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-MKL, MKL_T, ONEDNN = "mkl", "mkl-t", "onednn"
+MKL, MKL_T, ONEDNN, SMALLM = "mkl", "mkl-t", "onednn", "smallm"
+
+SMALLM_SOURCE = Path(__file__).parent / "native" / "smallm.c"
+
+
+def _cache_dir() -> Path:
+    """Where the built kernel is kept: $SPECDEC_CACHE_DIR, else ~/.cache/specdec, else (a
+    read-only home, as in some containers) the temporary directory."""
+    for root in (os.environ.get("SPECDEC_CACHE_DIR"), Path.home() / ".cache" / "specdec",
+                 Path(tempfile.gettempdir()) / f"specdec-{os.getuid()}"):
+        if not root:
+            continue
+        path = Path(root) / "native"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(path, os.W_OK):
+            return path
+    raise OSError("no writable cache directory for the smallm kernel")
+
+
+@functools.cache
+def smallm_library() -> tuple[ctypes.CDLL, int] | None:
+    """The smallm kernel's library and panel width, built once per source version (compiled
+    to a temporary name and renamed, so services starting together never load half a file);
+    None where it cannot run: no C compiler, neither AVX-512 nor AVX2 + FMA, a build error."""
+    source = SMALLM_SOURCE.read_bytes()
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    try:
+        out = _cache_dir() / f"smallm-{hashlib.sha256(source).hexdigest()[:16]}.so"
+        if not out.exists():
+            if compiler is None:
+                log.info("smallm kernel unavailable: no C compiler (cc, gcc or $CC)")
+                return None
+            tmp = out.with_suffix(f".{os.getpid()}.tmp")
+            subprocess.run([compiler, "-O3", "-shared", "-fPIC", str(SMALLM_SOURCE), "-o",
+                            str(tmp)], check=True, capture_output=True, timeout=120)
+            os.replace(tmp, out)
+        lib = ctypes.CDLL(str(out))
+    except (OSError, subprocess.SubprocessError) as exc:
+        err = getattr(exc, "stderr", b"") or b""
+        log.warning("smallm kernel unavailable: %s %s", exc, err.decode(errors="replace")[-400:])
+        return None
+    lib.sd_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.sd_linear.restype = None
+    panel = int(lib.sd_panel())
+    if panel == 0:
+        log.info("smallm kernel unavailable: this CPU has neither AVX-512 nor AVX2 + FMA")
+        return None
+    return lib, panel
+
+
+def smallm_available(device: torch.device) -> bool:
+    return device.type == "cpu" and smallm_library() is not None
+
+
+def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
+    """[out, in] -> [panels, in, panel]: panel p holds output columns p * panel.. as rows of
+    the input dimension (zero past ``out``), the layout the smallm kernel streams."""
+    n, k = weight.shape
+    panels = -(-n // panel)
+    padded = torch.zeros(panels * panel, k, dtype=torch.float32)
+    padded[:n] = weight
+    return padded.view(panels, panel, k).transpose(1, 2).contiguous()
 
 
 def prepack_available(device: torch.device) -> bool:
@@ -117,7 +197,8 @@ class Linear:
     """y = x @ weight.T + bias on the kernel ``plan`` names for x's number of rows.
 
     ``plan`` None: F.linear only (GPU). Each kernel reads its own layout of the weight:
-    ``plain`` ([out, in]: mkl), ``transposed`` ([in, out]: mkl-t), ``packed`` (oneDNN's).
+    ``plain`` ([out, in]: mkl), ``transposed`` ([in, out]: mkl-t), ``packed`` (oneDNN's),
+    ``panels`` (smallm's, ``pack_panels``).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan | None):
@@ -127,22 +208,40 @@ class Linear:
         self.plain: torch.Tensor | None = weight.contiguous()
         self.transposed: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None
         kernels = plan.used() if plan is not None else {MKL}
         if MKL_T in kernels:
             self.transposed = self.plain.t().contiguous()
         if ONEDNN in kernels:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.plain, None)
+        if SMALLM in kernels:
+            self.lib, self.panel = smallm_library()
+            self.panels = pack_panels(self.plain, self.panel)
+            self.bias = None if bias is None else bias.contiguous()
         self.keep_only(kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         kernel = self.plan.kernel(x.shape[0]) if self.plan is not None else MKL
         if kernel == ONEDNN:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if kernel == SMALLM:
+            return self._smallm(x)
         if kernel == MKL_T:
             if self.bias is None:
                 return torch.mm(x, self.transposed)
             return torch.addmm(self.bias, x, self.transposed)
         return F.linear(x, self.plain, self.bias)
+
+    def _smallm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"smallm takes [rows, {self.in_features}] float32, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        self.lib.sd_linear(x.data_ptr(), self.panels.data_ptr(),
+                           None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                           x.shape[0], self.in_features, self.out_features, self.panel)
+        return y
 
     def keep_only(self, kernels: set[str]) -> None:
         """Free the weight layouts no kernel in ``kernels`` reads."""
@@ -152,6 +251,8 @@ class Linear:
             self.transposed = None
         if ONEDNN not in kernels:
             self.packed = None
+        if SMALLM not in kernels:
+            self.panels = None
 
 
 def choose_kernels(plan: KernelPlan, linears: list[Linear], forward_ms: Callable[[int], float],
