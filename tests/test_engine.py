@@ -5,6 +5,7 @@ import torch
 
 from specdec.models.hub import load_hf_model
 from specdec.serving.engine import LlamaEngine
+from specdec.serving.kernels import smallm_available
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,8 @@ def test_unsupported_architecture_is_refused():
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("kernels", ["auto", "onednn", "mkl", "mkl-t"])
+@pytest.mark.parametrize("kernels", ["auto", "onednn", "mkl", "mkl-t"] + (
+    ["smallm"] if smallm_available(torch.device("cpu")) else []))
 def test_a_block_pass_agrees_with_one_token_passes_within_the_stated_bound(kernels):
     """The README's greedy guarantee: row j of a (k+1)-token verify pass and a 1-token pass at
     the same position differ only by fp32 rounding (bound 2e-4 on the default target's

@@ -23,6 +23,7 @@ from conftest import REPO, ServiceThread, hf_greedy, perturb, run
 from specdec.models.hub import load_hf_model
 from specdec.serving.arch import ArchConfig
 from specdec.serving.engine import LlamaEngine
+from specdec.serving.kernels import smallm_available
 
 TOL = 1e-4  # max |engine - transformers| over a logits row, relative to the row's largest |logit|
 SEQ = 40  # tokens of the reference sequence: windows of 8 are exceeded well before its end
@@ -189,7 +190,8 @@ def max_diff(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return diff, diff / max(1.0, float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("kernels", ["onednn", "mkl", "mkl-t"])
+@pytest.mark.parametrize("kernels", ["onednn", "mkl", "mkl-t"] + (
+    ["smallm"] if smallm_available(torch.device("cpu")) else []))
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_logits_match_transformers(family_dirs, name, kernels):
     model, _ = load_hf_model(family_dirs(name))
