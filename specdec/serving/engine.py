@@ -132,7 +132,7 @@ class LlamaEngine:
         onednn = prepack_available(self.device)  # (False off CPU)
         if kernels == "onednn" and not onednn:
             raise ValueError("kernels='onednn' needs a CPU build of torch with oneDNN")
-        smallm = smallm_available(self.device)
+        smallm = kernels in ("auto", SMALLM) and smallm_available(self.device)  # (built once)
         if kernels == "smallm" and not smallm:
             raise ValueError("kernels='smallm' needs a CPU with AVX-512 or AVX2 + FMA and a C "
                              "compiler (cc, gcc or $CC)")

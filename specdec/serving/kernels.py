@@ -55,6 +55,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from specdec.models.hub import cache_root
+
 log = logging.getLogger(__name__)
 
 MKL, MKL_T, ONEDNN, SMALLM = "mkl", "mkl-t", "onednn", "smallm"
@@ -63,12 +65,9 @@ SMALLM_SOURCE = Path(__file__).parent / "native" / "smallm.c"
 
 
 def _cache_dir() -> Path:
-    """Where the built kernel is kept: $SPECDEC_CACHE_DIR, else ~/.cache/specdec, else (a
-    read-only home, as in some containers) the temporary directory."""
-    for root in (os.environ.get("SPECDEC_CACHE_DIR"), Path.home() / ".cache" / "specdec",
-                 Path(tempfile.gettempdir()) / f"specdec-{os.getuid()}"):
-        if not root:
-            continue
+    """Where the built kernel is kept: the project's cache (``$SPECDEC_CACHE``, default
+    ~/.cache/specdec), else (a read-only home, as in some containers) the temporary directory."""
+    for root in (cache_root(), Path(tempfile.gettempdir()) / f"specdec-{os.getuid()}"):
         path = Path(root) / "native"
         try:
             path.mkdir(parents=True, exist_ok=True)
