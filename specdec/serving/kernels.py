@@ -22,10 +22,13 @@ Four kernels compute the same matrix product on CPU:
   libraries' parallel passes usually win the timing.
 
 Which is faster depends on the processor and on the number of rows M, so an engine measures
-them at start (``choose_kernels``) at a few row counts (1, 2, 3, 4, 6, 8 and 16: one token,
-the verify blocks adaptive k chooses, a target's batched passes) and keeps, for each, the kernel
-that ran its whole forward fastest; a row count between two measured ones takes the lower
-one's kernel. On the AVX-512 Intel Xeon of one stop (one thread; ms per forward of the
+them at start (``choose_kernels``) at a few row counts (1, 2, 3, 4, 6, 8, 16 and 64: one
+token, the verify blocks adaptive k chooses, a target's batched passes, a prompt's prefill
+chunks) and keeps, for each, the kernel that ran its whole forward fastest; a row count between
+two measured ones takes the lower one's kernel, and one past 64 the 64's. (smallm streams the
+weight once per 8 rows, so a prefill is where the libraries win again: the default target
+on one Xeon core, 128 / 256 rows, smallm 304 / 597 ms against mkl-t 236 / 457; without the
+64-row probe prefills ran on the 16 rows' smallm.) On the AVX-512 Intel Xeon of one stop (one thread; ms per forward of the
 default target): ``mkl-t`` 46 at one row, ``mkl`` 52 / 60 at two / three (oneDNN 60 / 61),
 oneDNN from four on (60 at four, 90 at sixteen; ``mkl`` 84 / 123): one kernel for every block
 made a block of two cost 1.30x one token, where the kernel per row count makes it 1.12x. It then
@@ -138,7 +141,7 @@ def prepack_available(device: torch.device) -> bool:
 
 
 # The row counts ``choose_kernels`` times each kernel at (see the module's notes).
-MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 16)
+MEASURED_ROWS = (1, 2, 3, 4, 6, 8, 16, 64)
 
 
 @dataclasses.dataclass
