@@ -18,6 +18,7 @@ and a seeded request gives the same text every time.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from specdec.serving.branching import MAX_BRANCHES
 
@@ -271,10 +272,13 @@ class KController:
                  pipelined: bool = False, prior_a: float = PRIOR_A,
                  prior_weight: float = PRIOR_WEIGHT, decay: float = 0.95,
                  k_max: int = ADAPTIVE_K_MAX, costs: Costs | None = None,
-                 pool: Acceptance | None = None):
+                 pool: Acceptance | None = None, running: Callable[[], int] | None = None):
         """``pool``: the acceptance of the orchestrator's recent generations, told what this
-        one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` while others run)."""
+        one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` while others
+        run). ``running``: how many generations the orchestrator runs now, this one included
+        (the target's batch as the calls show it lags a few rounds behind)."""
         self.fixed_k = fixed_k
+        self.running = running
         self.pipelined = pipelined
         self.k_max = min(k_max, max(len(target_ms) - 1, 1)) if target_ms else k_max
         self.costs = costs or Costs.calibrated(target_ms, draft_ms)
@@ -306,31 +310,66 @@ class KController:
         """Record a pipelined round's verdict: did the speculation cache hold its branch?"""
         self.cache_hit = self.decay * self.cache_hit + (1.0 - self.decay) * float(hit)
 
+    def waits_for_draft(self) -> bool:
+        """Whether a round may wait for the draft (False: a pipelined round with the
+        speculation cache while the target batches other sessions, adaptive k).
+
+        Under load a round that waits for the draft (a miss that drafts its block after the
+        verdict, a branch call still running at the verdict) comes back after the others'
+        next pass has started, so that pass runs without it and it rides the one after:
+        measured on separate cores, 2 clients, a probe's draft call of ~23 ms per generation
+        and the first rounds' misses took 0.94x target-only's aggregate throughput with 7%
+        of rounds drafted. So there every round goes to the target at once: with the block
+        the cache holds for its verdict, or with none (a k = 0 round, which the draft still
+        drafts the cache behind, on its own hardware).
+        """
+        loaded = self.costs.target_batch > LOADED_BATCH or \
+            (self.running is not None and self.running() > 1)
+        return not (self.pipelined and self.branching and self.fixed_k is None and loaded)
+
     def miss_rate(self, k: int, a: float, now: bool = False) -> float:
         """The share of rounds of k whose block is drafted after the last verdict (between
         two verify calls), not behind the verify pass: every sequential round; pipelined,
         the verdicts the speculation cache had no branch for, or without the cache those
         that did not keep the whole block and the draft's guess of the target's token.
-        ``now``: this round's block is drafted after the verdict (a pipelined miss): 1."""
+        ``now``: this round's block is drafted after the verdict (a pipelined miss): 1.
+        Where rounds do not wait for the draft (``waits_for_draft``) no block is: 0 (a
+        miss is a round of no block instead, see ``rate``)."""
+        if not self.waits_for_draft():
+            return 0.0
         if now or not self.pipelined:
             return 1.0
         if self.branching:
             return 1.0 - self.cache_hit
         return 1.0 - a ** (k + 1)
 
+    def _behind_ms(self, k: int) -> float:
+        """The draft's call behind a verify pass of k: branches, or the block past the guess."""
+        if self.branching:
+            return self.costs.branch_call_ms(k, self.width, k)
+        return self.costs.draft_ms(k) + self.costs.draft_step_ms
+
     def round_ms(self, k: int, a: float, now: bool = False) -> float:
         verify = self.costs.verify_ms(k)
         if k == 0:
             return verify
+        if not self.waits_for_draft():  # a hit's verify, else a round of no block
+            return self.cache_hit * max(verify, self._behind_ms(k)) + \
+                (1.0 - self.cache_hit) * self.costs.verify_ms(0)
         draft = self.costs.draft_ms(k)
         sequential = draft + self.costs.verify_ms(k, drafted=True)  # a miss: draft, then verify
         miss = self.miss_rate(k, a, now)
         if miss >= 1.0:
             return sequential
         # a hit costs the longer of the verify and the draft behind it
-        behind = self.costs.branch_call_ms(k, self.width, k) if self.branching else \
-            draft + self.costs.draft_step_ms
-        return (1.0 - miss) * max(verify, behind) + miss * sequential
+        return (1.0 - miss) * max(verify, self._behind_ms(k)) + miss * sequential
+
+    def round_tokens(self, k: int, a: float) -> float:
+        """Expected tokens of a round of k: E[k], or where rounds do not wait for the draft,
+        E[k] on a hit and the target's one token on a miss."""
+        if k and not self.waits_for_draft():
+            return self.cache_hit * expected_tokens(a, k) + (1.0 - self.cache_hit)
+        return expected_tokens(a, k)
 
     def raises_throughput(self, k: int, a: float, now: bool = False) -> bool:
         """Under load, whether a block of k raises the target's aggregate throughput (the
@@ -342,7 +381,7 @@ class KController:
         """Expected tokens per millisecond at block length k (``now``: of a round whose
         block is drafted after the verdict, as ``miss_rate``)."""
         a = self.acceptance if a is None else a
-        return expected_tokens(a, k) / self.round_ms(k, a, now)
+        return self.round_tokens(k, a) / self.round_ms(k, a, now)
 
     def best_k(self, a: float | None = None, now: bool = False) -> int:
         """The block length of the highest rate. ``now``: for a round whose block is drafted
@@ -350,8 +389,11 @@ class KController:
         next rounds hit, so it is chosen as a sequential round's, often shorter (a target
         pass of 40 + 6m ms, a 4 ms draft step, acceptance 0.45: drafted now, a block of 2
         costs 70 ms for 1.65 tokens, one of 1 costs 60 for 1.45; at a 60% hit rate the 2
-        is the faster). The draft still drafts the cache behind it."""
+        is the faster). The draft still drafts the cache behind it. Where rounds do not wait
+        for the draft, such a round has no block: 0."""
         a = self.acceptance if a is None else a
+        if now and not self.waits_for_draft():
+            return 0
         ks = [k for k in range(self.k_max + 1) if self.raises_throughput(k, a, now)]
         k = max(ks, key=lambda k: (self.rate(k, a, now), -k))
         margin = LOAD_MARGIN * max(self.costs.target_batch - 1.0, 0.0)
@@ -364,15 +406,21 @@ class KController:
         if self.fixed_k is not None:
             return self.fixed_k
         k = self.best_k(now=now)
+        if k or self.zero_rounds < self.costs.probe_every():
+            return k
+        # Occasionally try a short block, or a draft that improved would never be noticed.
         # Under load a probe costs more than its own round (it leaves the target's regrouped
         # pass for a round, the draft catches up on the tokens since its last call): probe
         # less often as more sessions share the passes.
-        if k == 0 and self.zero_rounds >= self.costs.probe_every() and not after_full_accept:
-            # Occasionally try a short block, or a draft that improved would never be noticed.
-            self.zero_rounds = 0
-            k = 2
-        return k
-
+        if not self.waits_for_draft():
+            # Drafted behind the verify pass and taken on a hit, without waiting: the draft
+            # behind (``after_full_accept``) and the next round's use of its block both ask,
+            # so it stays due until a probe block is verified (``observe``).
+            return 0 if now else 2
+        if after_full_accept:
+            return k
+        self.zero_rounds = 0
+        return 2
 
 # A generation's lookup blocks start from this mean accepted tokens, or, while others run,
 # from what the orchestrator's recent lookups accepted (LookupPool): each generation used to
@@ -447,6 +495,12 @@ class LookupPool:
 # rates 0.48 / 0.55 / 0.62 and 24.6 / 25.1 / 24.9 tok/s: the draft's pass over 16 rows costs
 # 1.6x its pass over one (4.1 -> 6.7 ms), so wide branch calls still hide.
 MAX_WIDTH = 16
+# Where a round does not wait for the draft (KController.waits_for_draft) a branch call that
+# is late for its verdict is dropped: the cache is sized for this share of the verify pass,
+# so the calls' spread still lands in time (measured on separate cores, 2 clients, a cache
+# sized for the whole pass: branch calls of 24-28 ms at the median, 42-44 at the 90th
+# percentile, against 44-45 ms verifies; 8-23 late calls of ~115 per run).
+LATE_SHARE = 0.6
 
 
 class BranchWidth:
@@ -461,8 +515,10 @@ class BranchWidth:
         self.decay = decay
         self.scale = 1.0  # measured / predicted branch-call time
 
-    def choose(self, k: int, depth: int) -> int:
-        verify = self.costs.verify_ms(k)
+    def choose(self, k: int, depth: int, share: float = 1.0) -> int:
+        """The width for a branch call behind a verify of k: the widest predicted to take at
+        most ``share`` of the verify (less than all of it where a late call is dropped)."""
+        verify = self.costs.verify_ms(k) * share
         width = 1
         for w in range(2, min(self.max_width, MAX_BRANCHES // (k + 1)) + 1):
             if self.costs.branch_call_ms(k, w, depth) * self.scale <= verify:

@@ -107,6 +107,7 @@ class GenerationStats:
     pipeline_hits: int = 0  # rounds whose block was drafted during the previous verify
     pipeline_misses: int = 0  # verdicts the pipelined draft had no block for
     branches_drafted: int = 0  # speculation-cache branches drafted (hits included)
+    late_branch_calls: int = 0  # branch calls dropped unanswered at their verdict (under load)
     re_prefills: int = 0
     tokens_without_draft: int = 0  # emitted while the draft was down or failing
     crowded_rounds: int = 0  # no draft: other generations shared the cores (loop._Drafting)
@@ -236,6 +237,7 @@ class GenerationResult:
             cache_branches=s.branches_drafted,
             wasted_branches=max(0, s.branches_drafted - (s.pipeline_hits if s.branches_drafted
                                                          else 0)),
+            late_branch_calls=s.late_branch_calls,
             re_prefills=s.re_prefills,
             tokens_without_draft=s.tokens_without_draft,
             crowded_rounds=s.crowded_rounds,

@@ -29,6 +29,7 @@ from orchestrator.adaptive import (
     Acceptance,
     BranchWidth,
     Costs,
+    LATE_SHARE,
     KController,
     LiveCosts,
     LookupPool,
@@ -69,6 +70,10 @@ LOOKUP_MIN_NGRAM = 3  # matched tokens a lookup block needs to take a draft mode
 LOOKUP_MIN_NGRAM_ALONE = 1  # ... and a round the draft model would not draft (k = 0)
 LOOKUP_MAX_NGRAM = 5
 LOOKUP_MAX_TOKENS = 8
+# Where rounds do not wait for the draft (KController.waits_for_draft), how long a verdict
+# still waits for a branch call that has not answered: less than the target's regroup wait
+# (ServiceConfig.regroup_ms, 5 ms), so the round still rides the others' next pass.
+LATE_BRANCH_MS = 2.0
 
 
 def _lookup_block(history: list[int], room: int, sampling: SamplingParams,
@@ -140,7 +145,7 @@ class Orchestrator:
         prior = pool.prior() if pool is not None and self.active > 0 else PRIOR_A
         return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
                            pipelined=req.mode == "pipelined", costs=costs, prior_a=prior,
-                           pool=pool)
+                           pool=pool, running=lambda: self.active)
 
     def _branch_widths(self, req: GenerationRequest) -> BranchWidth | None:
         """The speculation cache's width control, for the requests that may branch: greedy
@@ -375,6 +380,10 @@ class _Drafting:
         try:
             resp, rec = await orch.draft.propose_branches(self.session_id, history, block, width,
                                                           depth, req.sampling, req.request_id)
+        except asyncio.CancelledError:  # late for its verdict (_Pipeline._branch_for)
+            t = time.perf_counter()
+            self.stats.calls.append(CallRecord("draft", t, t, 0.0, 0, "cancelled"))
+            raise
         except ServiceError as exc:
             orch._draft_failed(req, self.stats, exc)
             return None
@@ -407,6 +416,7 @@ class _Pipeline:
         self.task: asyncio.Task | None = None
         self.branching = False  # the call in flight is a branch call
         self.shape = (0, 0, 0)  # (k, width, depth) of the branch call in flight
+        self.started = 0.0  # when it was sent
 
     def draft_behind(self, history: History, block: Block, remaining: int) -> None:
         # Behind a round of no block too when the cache is on (a miss whose block did not pay
@@ -428,9 +438,11 @@ class _Pipeline:
             self.task = asyncio.create_task(
                 self.drafting.draft_block(history, block.tokens, depth + 1, "pipelined"))
             return
-        width = self.widths.choose(k, depth)
+        waits = self.drafting.k_ctl.waits_for_draft()
+        width = self.widths.choose(k, depth, 1.0 if waits else LATE_SHARE)
         self.drafting.k_ctl.width = width
         self.shape = (k, width, depth)
+        self.started = time.perf_counter()
         self.task = asyncio.create_task(
             self.drafting.draft_branches(history, block.tokens, width, depth))
 
@@ -456,6 +468,16 @@ class _Pipeline:
 
     async def _branch_for(self, rnd: Round, task: asyncio.Task) -> Block | None:
         stats = self.drafting.stats
+        k_ctl = self.drafting.k_ctl
+        if not task.done() and not k_ctl.waits_for_draft():
+            await asyncio.wait({task}, timeout=LATE_BRANCH_MS / 1000.0)
+            if not task.done():  # late: this round goes without a block, the call is dropped
+                task.cancel()
+                self.widths.observe(*self.shape, (time.perf_counter() - self.started) * 1000.0)
+                k_ctl.observe_cache(False)
+                stats.pipeline_misses += 1
+                stats.late_branch_calls += 1
+                return None
         called = await task  # (branches, call record), or None: the draft failed
         branches = called[0] if called is not None else []
         if called is not None:

@@ -2,6 +2,8 @@
 
 import random
 
+import pytest
+
 from orchestrator import adaptive
 from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
 from orchestrator.service_clients import CallRecord
@@ -173,21 +175,72 @@ def _pipelined(curve, batch, cache_hit, draft=(6.0,)):
     return ctl
 
 
-def test_under_load_k_must_raise_the_targets_throughput_not_only_the_sessions_rate():
-    """Two sessions on a CPU target whose pass grows 6 ms a token: at acceptance 0.5 and a
-    cache that holds half the verdicts, a block of 1 raises this session's own rate well
-    past the load margin, yet costs the pair throughput (a miss leaves the other's pass
-    for one of its own), so k is 0; alone it speculates. By hand, per round of this
-    session: (1 x 1.5 + 1.5) tokens / (pass(3) + 0.5 pass(1)) = 3.0 / 81 ms against 2 / 52."""
+def test_under_load_a_block_drafted_between_calls_must_raise_the_targets_throughput():
+    """Two sessions on a CPU target whose pass grows 6 ms a token, a block of 1 at
+    acceptance 0.5: drafted between this session's calls in half its rounds, it costs the
+    pair throughput (each such round leaves the other's pass for one of its own): per round
+    of this session (1 x 1.5 + 1.5) tokens / (pass(3) + 0.5 pass(1)) = 3.0 / 81 ms against
+    target-only's 2 / 52. Ready at every verdict it pays: (1 + 1.5) / pass(3) = 2.5 / 58.
+    Alone the target waits for this session anyway."""
+    costs = _pipelined(CPU_LINE, 2.0, 0.5).costs
+    assert 3.0 / 81.0 < 2.0 / 52.0 < 2.5 / 58.0
+    assert not adaptive.raises_throughput(costs, 1, 1.5, miss=0.5)
+    assert adaptive.raises_throughput(costs, 1, 1.5, miss=0.0)
+    costs.target_batch = 1.0
+    assert adaptive.raises_throughput(costs, 1, 1.5, miss=0.5)
+    # sequential rounds (every block drafted between calls) and plain pipelining (a miss
+    # drafts after the verdict) wait for the draft: no block under this load
+    for ctl in (KController(CPU_LINE, [6.0], costs=_pipelined(CPU_LINE, 2.0, 0.5).costs),
+                _pipelined(CPU_LINE, 2.0, 0.5)):
+        ctl.branching = False
+        assert ctl.waits_for_draft() and not ctl.raises_throughput(1, 0.5)
+        assert ctl.best_k(0.5) == 0
+
+
+def test_under_load_pipelined_rounds_with_the_cache_never_wait_for_the_draft():
+    """With the speculation cache and other sessions in the target's passes, a miss round
+    goes at once with no block (k = 0 now; the draft drafts the cache behind it), so a block
+    is only ever one the cache held for the verdict: k is costed as hits' blocks and misses'
+    single tokens, and must raise the target's throughput as a block ready at the verdict.
+    By hand at acceptance 0.5, 80% hits (a verify of 1 costs pass(4) + 1 = 65 ms, of none
+    pass(2) + 1 = 53): (0.8 x 1.5 + 0.2) / (0.8 x 65 + 0.2 x 53) = 1.4 / 62.6 against
+    1 / 53 (k = 0): 1.19x, past the margin of 1.06; at 10% hits 1.05 / 54.2: 1.03x, no
+    block. Alone a miss drafts now, as a sequential round."""
+    ctl = _pipelined(CPU_LINE, 2.0, 0.8)
+    assert not ctl.waits_for_draft() and ctl.miss_rate(1, 0.5, now=True) == 0.0
+    assert ctl.best_k(0.5, now=True) == 0
+    assert ctl.rate(1, 0.5) == pytest.approx(1.4 / 62.6)
+    assert ctl.raises_throughput(1, 0.5) and ctl.best_k(0.5) >= 1
+    assert _pipelined(CPU_LINE, 2.0, 0.1).best_k(0.5) == 0
+    alone = _pipelined(CPU_LINE, 1.0, 0.8)
+    assert alone.waits_for_draft() and alone.best_k(0.5, now=True) >= 1
+    alone.running = lambda: 2  # a second generation just started: the calls do not show it yet
+    assert not alone.waits_for_draft()
+    alone.running = lambda: 1
+    assert alone.waits_for_draft()
+    fixed = _pipelined(CPU_LINE, 2.0, 0.8)
+    fixed.fixed_k = 3  # a request's own k is drafted as asked
+    assert fixed.waits_for_draft() and fixed.next_k(now=True) == 3
+
+
+def test_under_load_a_probe_is_drafted_behind_and_stays_due_until_a_block_is_verified():
+    """Where rounds do not wait for the draft, a probe of a draft that does not pay is a
+    block drafted behind a verify (asked with ``after_full_accept``) and taken on a hit; a
+    miss round never drafts one now. It stays due until a block is verified."""
     ctl = _pipelined(CPU_LINE, 2.0, 0.5)
-    margin = 1.0 + adaptive.LOAD_MARGIN
-    assert ctl.rate(1, 0.5) > margin * ctl.rate(0, 0.5)  # the session alone would draft
-    assert 3.0 / 81.0 < 2.0 / 52.0 and not ctl.raises_throughput(1, 0.5)
-    assert ctl.best_k(0.5) == 0
-    assert _pipelined(CPU_LINE, 1.0, 0.5).best_k(0.5) > 0  # alone: the session's rate
-    # every verdict in the cache and a good draft: the pass it rides grows 6 ms a token for
-    # (1 + 0.8) tokens: (1 + 1.8) / pass(3) = 2.8 / 58 ms > 2 / 52
-    assert _pipelined(CPU_LINE, 2.0, 1.0).raises_throughput(1, 0.8)
+    for _ in range(200):  # a draft whose blocks are never kept: k = 0, probes only
+        ctl.observe(ctl.next_k(), 0)
+    ctl.observe(2, 0)  # (a probe just verified)
+    assert ctl.best_k() == 0
+    due = int(ctl.costs.probe_every())
+    for _ in range(due):
+        assert ctl.next_k(after_full_accept=True) == 0 and ctl.next_k() == 0
+        ctl.observe(0, 0)
+    assert ctl.next_k(now=True) == 0  # a miss goes at once
+    for _ in range(3):  # behind the verify, then the next round takes it; misses keep it due
+        assert ctl.next_k(after_full_accept=True) == 2 and ctl.next_k() == 2
+    ctl.observe(2, 0)  # the probe's block was verified
+    assert ctl.next_k(after_full_accept=True) == 0 and ctl.next_k() == 0
 
 
 def test_a_flat_pass_keeps_speculation_under_load_where_the_cache_holds_the_verdicts():

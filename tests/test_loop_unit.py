@@ -342,6 +342,46 @@ def test_generations_sharing_the_cores_draft_only_while_alone(shared):
     assert fixed.stats.draft_tokens > 0
 
 
+def test_concurrent_pipelined_generations_never_wait_for_the_draft(monkeypatch):
+    """Two pipelined generations at once on separate hardware (the cache on): a miss round
+    goes to the target at once with no block instead of drafting one now, and a branch call
+    still running at its verdict is dropped (counted late, and a miss) instead of awaited;
+    the text is still the target's. (k is 2 for blocks behind a verify, so hits take
+    blocks whatever the fake's costs say; a miss's k is the controller's own.)"""
+    real_best_k = adaptive.KController.best_k
+    monkeypatch.setattr(adaptive.KController, "best_k",
+                        lambda self, a=None, now=False: real_best_k(self, a, now) if now else 2)
+
+    class SlowAtTimes(FakeDraft):  # every 4th branch call outlasts its verify by far
+        async def propose_branches(self, *args, **kwargs):
+            if self.calls % 4 == 3:
+                await asyncio.sleep(0.05)
+            return await super().propose_branches(*args, **kwargs)
+
+    target, draft = FakeTarget(), SlowAtTimes(wrong_every=3)
+    target.prompt_len = 3
+    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
+    reqs = [GenerationRequest([5, 11, 23], 60, SamplingParams(), [], "pipelined", None,
+                              prompt_lookup=False) for _ in range(2)]
+    results = _together(orch, reqs)
+    for r in results:
+        s = r.stats
+        assert r.token_ids == target_text([5, 11, 23], 60)
+        assert s.pipeline_hits > 0 and s.late_branch_calls > 0
+        assert s.pipeline_misses >= s.late_branch_calls
+        drafts = [c for c in s.calls if c.service == "draft"]
+        assert sum(c.outcome == "cancelled" for c in drafts) == s.late_branch_calls
+        # only branch calls behind verifies (and their cancelled records): no block was
+        # drafted after a verdict, between two verify calls
+        assert all(c.branches or c.outcome == "cancelled" for c in drafts)
+        assert not any(c.after_draft for c in s.calls if c.service == "target")
+    assert orch.active == 0
+    # alone, a round waits for its branch call (no other session's pass to miss)
+    alone = asyncio.run(orch.generate(reqs[0]))
+    assert alone.token_ids == target_text([5, 11, 23], 60)
+    assert alone.stats.late_branch_calls == 0 and alone.stats.pipeline_hits > 0
+
+
 def test_adaptive_k_starts_from_what_earlier_generations_accepted_while_others_run():
     """A greedy generation that starts while others run starts from the orchestrator's
     pooled acceptance; alone, or rejection-sampled (k changes its text), from the fixed

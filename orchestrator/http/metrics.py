@@ -63,6 +63,9 @@ class Metrics:
         self.cache_branches = counter(
             "speculation_cache_branches", "Branches the speculation cache drafted (a hit "
             "uses one; the others are wasted draft work).")
+        self.late_branch_calls = counter(
+            "speculation_cache_late_calls", "Branch calls dropped unanswered at their verdict "
+            "(under load a round does not wait for the draft; each is also a pipeline miss).")
         self.crowded_rounds = counter(
             "crowded_rounds", "Rounds that drafted nothing because other generations shared "
             "the cores with the draft (services on one machine; the target batches them).")
@@ -114,6 +117,7 @@ class Metrics:
         self._l(self.pipeline_hits).inc(s.pipeline_hits)
         self._l(self.pipeline_misses).inc(s.pipeline_misses)
         self._l(self.cache_branches).inc(s.branches_drafted)
+        self._l(self.late_branch_calls).inc(s.late_branch_calls)
         self._l(self.crowded_rounds).inc(s.crowded_rounds)
         n_out = len(result.token_ids)
         self._l(self.prompt_tokens).inc(result.prompt_tokens)
