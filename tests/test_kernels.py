@@ -67,6 +67,32 @@ def test_smallm_computes_the_product_for_every_row_count_and_ragged_panels(out_f
     torch.testing.assert_close(plain(rows), rows @ w.T, rtol=1e-5, atol=1e-5)
 
 
+@needs_smallm
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("out_features", [256, 384, 600, 1000])
+def test_smallm_splits_the_panels_between_torchs_threads(threads, out_features):
+    """With torch's threads > 1 the panels are split between them in runs of 4 (the last
+    share ragged, the last panel partial): the same product for every row count, with and
+    without a bias, and the build here is the threaded one."""
+    from specdec.serving.kernels import smallm_library
+
+    lib, _ = smallm_library()
+    assert lib.sd_threaded() == 1  # (gcc here has OpenMP)
+    gen = torch.Generator().manual_seed(out_features + threads)
+    w = torch.randn(out_features, 40, generator=gen)
+    b = torch.randn(out_features, generator=gen)
+    plain, biased = (Linear(w, bias, KernelPlan.fixed(SMALLM)) for bias in (None, b))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 5, 8, 9):
+            x = torch.randn(rows, 40, generator=gen)
+            torch.testing.assert_close(plain(x), x @ w.T, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(biased(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_row_count_takes_the_kernel_of_the_last_pair_at_or_below_it():
     plan = KernelPlan(((4, ONEDNN), (1, MKL_T), (2, MKL), (3, MKL), (16, ONEDNN)))
     assert plan.chosen == ((1, MKL_T), (2, MKL), (4, ONEDNN))  # sorted, repeats merged

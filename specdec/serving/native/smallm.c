@@ -1,5 +1,5 @@
 // specdec's "smallm" linear kernel (specdec/serving/kernels.py): y[M, N] = x[M, K] W[N, K]^T
-// (+ bias) for the few rows of a decode or verify pass, one thread.
+// (+ bias) for the few rows of a decode or verify pass, on one thread or split between torch's.
 //
 // The weight is packed once into panels of P output columns, wp[p][k][c] = W[p * P + c][k]
 // (zero past N), and every call streams it once whatever M is: each weight vector loaded is
@@ -11,6 +11,9 @@
 // Built at run time with the system's C compiler (no build step in the package).
 #include <immintrin.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define PREFETCH_ROWS 32  /* prefetch distance along k, in panel rows (best of 8..128 measured) */
 
@@ -43,7 +46,8 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
 // of them, AVX2: 16), as many as fit beside the J weight vectors.
 #define KERNEL(NAME, BLOCKFN, TARGET, P, JFOR)                                             \
 __attribute__((target(TARGET))) static void NAME(                                          \
-    const float *x, const float *wp, const float *bias, float *y, int M, int K, int N) {  \
+    const float *x, const float *wp, const float *bias, float *y, int M, int K, int N,    \
+    int ldy) {                                                                             \
   int panels = (N + P - 1) / P;                                                            \
   float out[8 * 4 * P];                                                                    \
   for (int m0 = 0; m0 < M; m0 += 8) {                                                      \
@@ -61,7 +65,7 @@ __attribute__((target(TARGET))) static void NAME(                               
       for (int j = 0; j < jb; j++) {                                                       \
         int n0 = (p0 + j) * P, nv = N - n0 < P ? N - n0 : P;                               \
         for (int a = 0; a < mb; a++) {                                                     \
-          float *dst = y + (long)(m0 + a) * N + n0;                                        \
+          float *dst = y + (long)(m0 + a) * ldy + n0;                                      \
           const float *src = out + (a * 4 + j) * P;                                        \
           if (bias) for (int c = 0; c < nv; c++) dst[c] = src[c] + bias[n0 + c];           \
           else memcpy(dst, src, nv * sizeof(float));                                       \
@@ -90,9 +94,43 @@ int sd_panel(void) {
   return 0;
 }
 
+static void linear(const float *x, const float *wp, const float *bias, float *y, int M,
+                   int K, int N, int ldy, int panel) {
+  if (panel == 16) linear512(x, wp, bias, y, M, K, N, ldy);
+  else if (panel == 8) linear256(x, wp, bias, y, M, K, N, ldy);
+}
+
 // x: [M, K] and y: [M, N] row-major float32; wp packed for ``panel`` (sd_panel's); bias or NULL.
+// ``threads`` > 1 (where built with OpenMP, in the process's OpenMP pool: torch's own): the
+// panels are split between the threads in runs of 4, each streaming its share of the weight.
 void sd_linear(const float *x, const float *wp, const float *bias, float *y, int M, int K,
-               int N, int panel) {
-  if (panel == 16) linear512(x, wp, bias, y, M, K, N);
-  else if (panel == 8) linear256(x, wp, bias, y, M, K, N);
+               int N, int panel, int threads) {
+  int panels = (N + panel - 1) / panel;
+#ifdef _OPENMP
+  if (threads > 1 && panels >= 8 * threads) {
+#pragma omp parallel num_threads(threads)
+    {
+      int t = omp_get_thread_num(), n = omp_get_num_threads();
+      int per = ((panels + n - 1) / n + 3) & ~3;
+      int p0 = t * per, p1 = p0 + per < panels ? p0 + per : panels;
+      if (p0 < p1) {
+        int c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
+        linear(x, wp + (long)p0 * K * panel, bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N,
+               panel);
+      }
+    }
+    return;
+  }
+#endif
+  (void)threads;
+  linear(x, wp, bias, y, M, K, N, N, panel);
+}
+
+// Whether this build splits calls between threads (built with OpenMP).
+int sd_threaded(void) {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
 }
