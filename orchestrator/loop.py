@@ -89,6 +89,12 @@ def _lookup_block(history: list[int], room: int, sampling: SamplingParams,
                  source="lookup")
 
 
+def _record_cancelled(stats: GenerationStats) -> None:
+    """A draft call behind a verify that its verdict dropped, for the stats and the timeline."""
+    t = time.perf_counter()
+    stats.calls.append(CallRecord("draft", t, t, 0.0, 0, "cancelled"))
+
+
 class Orchestrator:
     """Drives generations over one draft client (optional) and one target client."""
 
@@ -259,8 +265,7 @@ class Orchestrator:
                                                  req.request_id)
         except asyncio.CancelledError:
             if source == "pipelined":  # a draft behind a verify, dropped by its verdict
-                t = time.perf_counter()
-                stats.calls.append(CallRecord("draft", t, t, 0.0, 0, "cancelled"))
+                _record_cancelled(stats)
             raise
         except ServiceError as exc:
             self._draft_failed(req, stats, exc)
@@ -381,8 +386,7 @@ class _Drafting:
             resp, rec = await orch.draft.propose_branches(self.session_id, history, block, width,
                                                           depth, req.sampling, req.request_id)
         except asyncio.CancelledError:  # late for its verdict (_Pipeline._branch_for)
-            t = time.perf_counter()
-            self.stats.calls.append(CallRecord("draft", t, t, 0.0, 0, "cancelled"))
+            _record_cancelled(self.stats)
             raise
         except ServiceError as exc:
             orch._draft_failed(req, self.stats, exc)

@@ -30,8 +30,8 @@ chunks) and keeps, for each, the kernel that ran its whole forward fastest; a ro
 two measured ones takes the lower one's kernel, and one past 64 the 64's. (smallm streams the
 weight once per 8 rows, so a prefill is where the libraries win again: the default target
 on one Xeon core, 128 / 256 rows, smallm 304 / 597 ms against mkl-t 236 / 457; without the
-64-row probe prefills ran on the 16 rows' smallm.) On the AVX-512 Intel Xeon of one stop (one thread; ms per forward of the
-default target): ``mkl-t`` 46 at one row, ``mkl`` 52 / 60 at two / three (oneDNN 60 / 61),
+64-row probe prefills ran on the 16 rows' smallm.) On the AVX-512 Intel Xeon of one stop
+(one thread; ms per forward of the default target): ``mkl-t`` 46 at one row, ``mkl`` 52 / 60 at two / three (oneDNN 60 / 61),
 oneDNN from four on (60 at four, 90 at sixteen; ``mkl`` 84 / 123): one kernel for every block
 made a block of two cost 1.30x one token, where the kernel per row count makes it 1.12x. It then
 drops the weight layouts no kept kernel reads (while it measures, every candidate's layout is

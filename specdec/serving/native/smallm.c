@@ -105,8 +105,8 @@ static void linear(const float *x, const float *wp, const float *bias, float *y,
 // panels are split between the threads in runs of 4, each streaming its share of the weight.
 void sd_linear(const float *x, const float *wp, const float *bias, float *y, int M, int K,
                int N, int panel, int threads) {
-  int panels = (N + panel - 1) / panel;
 #ifdef _OPENMP
+  int panels = (N + panel - 1) / panel;
   if (threads > 1 && panels >= 8 * threads) {
 #pragma omp parallel num_threads(threads)
     {
