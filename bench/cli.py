@@ -19,8 +19,10 @@ def register(sub) -> None:
                    help="prompt sets (default, grounded) or files (.jsonl / .txt)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--limit", type=int, default=0, help="first N prompts of each set (0 = all)")
-    b.add_argument("--systems", default=",".join(_all_systems()),
-                   help="comma-separated subset of: " + ", ".join(_all_systems()))
+    b.add_argument("--systems", default=",".join(_systems("DEFAULT_SYSTEMS")),
+                   help="comma-separated, of: " + ", ".join(_systems("ALL_SYSTEMS")) +
+                   " (the -int8 ones draft with the target's own int8 copy, int8:<target>; "
+                   "default: all others)")
     b.add_argument("--target", default="default")
     b.add_argument("--draft", default="default-draft")
     b.add_argument("--k", type=int, default=None, help="fixed k for specdec (default: adaptive)")
@@ -65,10 +67,10 @@ def register(sub) -> None:
     exactness.register_divergence(sub)
 
 
-def _all_systems():
-    from bench.harness import ALL_SYSTEMS
+def _systems(name: str) -> tuple[str, ...]:
+    from bench import harness
 
-    return ALL_SYSTEMS
+    return getattr(harness, name)
 
 
 def cmd_bench(args) -> int:
@@ -80,7 +82,7 @@ def cmd_bench(args) -> int:
     if args.concurrency:
         return cmd_concurrency(args)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = set(systems) - set(_all_systems())
+    unknown = set(systems) - set(_systems("ALL_SYSTEMS"))
     if unknown:
         raise SystemExit(f"error: unknown systems {sorted(unknown)}")
     if BASELINE not in systems:
@@ -93,7 +95,7 @@ def cmd_bench(args) -> int:
     runs_of = [(s, None) if s in HF_SYSTEMS else (s, r) for s in systems
                for r in (rtts if s not in HF_SYSTEMS else [None])]
     print(f"starting services and loading HF models for {', '.join(systems)} ...", flush=True)
-    hf = HFGenerate(args.target, args.draft,
+    hf = HFGenerate(args.target, args.draft if "hf-assisted" in systems else None,
                     args.hf_threads or (len(cores["target"]) if cores else 0),
                     cores=cores["target"] if cores else None)
     spd = SpecdecSystems(args.target, args.draft, args.threads, systems, cores=cores, rtts=rtts)

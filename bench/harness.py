@@ -23,6 +23,9 @@ PROMPT_SETS = {"default": PROMPT_DIR / "default.jsonl", "grounded": PROMPT_DIR /
 
 SPECDEC_SYSTEMS = ("specdec-target-only", "specdec-spec", "specdec-pipelined",
                    "specdec-pipelined-plain", "specdec-ngram")
+# Drafted by the target's own int8 copy (draft "int8:<target>") instead of --draft: run when
+# named in --systems (a second target-sized service).
+INT8_SYSTEMS = ("specdec-spec-int8", "specdec-pipelined-int8")
 # system -> (orchestrator, mode, speculation cache); "-plain": pipelining's single guess only
 SPECDEC_RUNS = {
     "specdec-target-only": ("target", "target-only", True),
@@ -30,8 +33,11 @@ SPECDEC_RUNS = {
     "specdec-pipelined": ("draft", "pipelined", True),
     "specdec-pipelined-plain": ("draft", "pipelined", False),
     "specdec-ngram": ("ngram", "pipelined", True),
+    "specdec-spec-int8": ("int8", "spec", True),
+    "specdec-pipelined-int8": ("int8", "pipelined", True),
 }
-ALL_SYSTEMS = HF_SYSTEMS + SPECDEC_SYSTEMS
+DEFAULT_SYSTEMS = HF_SYSTEMS + SPECDEC_SYSTEMS
+ALL_SYSTEMS = DEFAULT_SYSTEMS + INT8_SYSTEMS
 BASELINE = "hf"
 
 
@@ -90,6 +96,8 @@ class SpecdecSystems:
             wanted["draft"] = ("draft", args("draft", draft, ["--target", target]))
         if "specdec-ngram" in systems:
             wanted["ngram"] = ("draft", args("draft", "ngram", ["--target", target]))
+        if set(INT8_SYSTEMS) & set(systems):
+            wanted["int8"] = ("draft", args("draft", f"int8:{target}", ["--target", target]))
         self.processes = {}
         self.proxies = []
         try:
@@ -124,7 +132,7 @@ class SpecdecSystems:
             # HF baselines' (which pin themselves there for each run). Deployed, the
             # orchestrator has hardware of its own.
             os.sched_setaffinity(0, self.cores["draft"])
-        pairs = {"target": None, "draft": "draft", "ngram": "ngram"}
+        pairs = {"target": None, "draft": "draft", "ngram": "ngram", "int8": "int8"}
         for rtt in self.rtts:
             t = via(self.processes["target"].address, rtt)
             for name, draft_key in pairs.items():

@@ -117,6 +117,20 @@ def _env_int(name: str, default: int) -> int:
     return int(value) if value else default
 
 
+INT8 = "int8"  # "int8:<spec>": that model with weight-only int8 linear layers (a draft only)
+
+
+def split_quantization(spec: str) -> tuple[str | None, str]:
+    """("int8", "default") for "int8:default"; (None, spec) for a spec without a quantization.
+    (A path with a colon is read as a path unless it starts with "int8:".)"""
+    head, sep, rest = spec.partition(":")
+    if sep and head == INT8:
+        if not rest:
+            raise ValueError(f"{spec!r}: int8: needs a model spec after it, e.g. int8:default")
+        return INT8, rest
+    return None, spec
+
+
 @dataclasses.dataclass
 class ServiceConfig:
     """Settings of one model service (draft or target)."""
@@ -149,6 +163,10 @@ class ServiceConfig:
     def __post_init__(self) -> None:
         if self.role not in ("draft", "target"):
             raise ValueError(f"role must be 'draft' or 'target', got {self.role!r}")
+        if split_quantization(self.model)[0] is not None and self.role == "target":
+            raise ValueError(f"model {self.model!r}: a quantized model can be a draft, not a "
+                             "target (the target defines the text; int8:<spec> is a draft "
+                             "for the target <spec>)")
         if not (0 <= self.port < 65536):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.threads < 0:

@@ -102,3 +102,54 @@ def test_a_block_pass_agrees_with_one_token_passes_within_the_stated_bound(kerne
         assert diff < 2e-4, (kernels, j, diff)
         assert int(one.argmax()) == int(rows[j].argmax()) or \
             float(one.topk(2).values.diff().abs()) < 4e-4
+
+
+def test_an_int8_engine_is_the_model_with_its_linear_weights_quantized(tiny):
+    """quantize="int8": every linear layer (attention, MLP, head) runs its int8 weight, and
+    nothing else changes (embeddings, norms in float): the engine's logits are those of an
+    fp32 engine over the dequantized weights, and near the model's own."""
+    from specdec.serving.arch import ArchConfig, canonical_weights
+
+    model = tiny[0]
+    arch = ArchConfig.from_hf(model.config)
+    weights = canonical_weights(model.state_dict(), arch)
+    quantized = ("wqkv", "wo", "w_gate_up", "w_down", "head")
+
+    def dequantized(w):
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        return torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None]
+
+    deq = {name: dequantized(w.float()) if name.split(".")[-1] in quantized else w
+           for name, w in weights.items()}
+    int8 = LlamaEngine(arch, weights, quantize="int8")
+    ref = LlamaEngine(arch, deq, kernels="mkl")
+    ids = [list(range(100, 130)), list(range(7, 12))]
+    outs = []
+    for engine in (int8, ref, tiny[2]):
+        caches = [engine.new_cache() for _ in ids]
+        outs.append(engine.forward(caches, [torch.tensor(i) for i in ids], [4, 2]))
+    for q, r, fp in zip(*outs):
+        torch.testing.assert_close(q, r, atol=1e-4, rtol=1e-4)
+        assert (q - fp).abs().max() > 1e-4  # a quantized model, not the fp32 one
+        assert (q.argmax(-1) == fp.argmax(-1)).float().mean() >= 0.5
+    with pytest.raises(ValueError, match="quantize must be one of int8"):
+        LlamaEngine(arch, weights, quantize="int4")
+
+
+def test_int8_specs_name_a_draft_and_a_target_refuses_them():
+    from specdec.config import ServiceConfig, split_quantization
+    from specdec.models import draft_model
+    from specdec.models.loading import resolve_draft_spec
+
+    assert split_quantization("int8:default") == ("int8", "default")
+    assert split_quantization("/models/a:b") == (None, "/models/a:b")
+    assert split_quantization("default") == (None, "default")
+    with pytest.raises(ValueError, match="needs a model spec after it"):
+        split_quantization("int8:")
+    shipped = draft_model.shipped_draft_dir()
+    if shipped is not None:
+        assert resolve_draft_spec("int8:default-draft", "default") == f"int8:{shipped}"
+    assert resolve_draft_spec("int8:default", "default") == "int8:default"
+    assert ServiceConfig(model="int8:default", role="draft").model == "int8:default"
+    with pytest.raises(ValueError, match="can be a draft, not a target"):
+        ServiceConfig(model="int8:default", role="target")

@@ -17,6 +17,7 @@ from specdec.serving.kernels import (
     MEASURED_ROWS,
     ONEDNN,
     SMALLM,
+    Int8Linear,
     KernelPlan,
     Linear,
     choose_kernels,
@@ -91,6 +92,51 @@ def test_smallm_splits_the_panels_between_torchs_threads(threads, out_features):
             torch.testing.assert_close(biased(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(before)
+
+
+def _int8_reference(w: torch.Tensor) -> torch.Tensor:
+    """The int8 weight, dequantized, computed apart: one symmetric scale per output row."""
+    scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    return torch.round(w / scale[:, None]).clamp(-127, 127) * scale[:, None]
+
+
+@needs_smallm
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("out_features", [1, 15, 37, 100, 600])
+def test_int8_layers_stream_int8_and_compute_their_dequantized_weights_product(threads,
+                                                                              out_features):
+    """smallm's int8 variant: the product with the dequantized weight (not with the float
+    weight it came from) for every row count up to two chunks of 8, ragged panels and thread
+    shares, an input width that is no multiple of 16, with and without a bias."""
+    gen = torch.Generator().manual_seed(out_features + 10 * threads)
+    w = torch.randn(out_features, 72, generator=gen)
+    w[0, 5] = 9.0  # a row whose scale is set by one large weight
+    b = torch.randn(out_features, generator=gen)
+    deq = _int8_reference(w)
+    assert (deq - w).abs().max() > 1e-3  # (the quantization is visible at this tolerance)
+    plain, biased = Int8Linear(w, None), Int8Linear(w, b)
+    assert plain.panels.dtype == torch.int8 and plain.plain is None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in range(1, 18):
+            x = torch.randn(rows, 72, generator=gen)
+            torch.testing.assert_close(plain(x), x @ deq.T, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(biased(x), F.linear(x, deq, b), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_int8_layers_without_smallm_run_the_same_model_dequantized(monkeypatch):
+    from specdec.serving import kernels
+
+    monkeypatch.setattr(kernels, "smallm_available", lambda device: False)
+    gen = torch.Generator().manual_seed(3)
+    w, b = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    lin = Int8Linear(w, b)
+    assert lin.panels is None
+    x = torch.randn(5, 24, generator=gen)
+    torch.testing.assert_close(lin(x), F.linear(x, _int8_reference(w), b), rtol=1e-6, atol=1e-6)
 
 
 def test_a_row_count_takes_the_kernel_of_the_last_pair_at_or_below_it():

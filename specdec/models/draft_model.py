@@ -89,7 +89,7 @@ def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, weights
 
 
-def load_engine(path, device, kernels: str = "auto"):
+def load_engine(path, device, kernels: str = "auto", quantize: str | None = None):
     """(engine, tokenizer, None) for a draft directory."""
     from specdec.models.hub import load_tokenizer
 
@@ -97,7 +97,7 @@ def load_engine(path, device, kernels: str = "auto"):
     arch = ArchConfig(**meta["arch"])
     vocab_map = weights.pop("vocab_map").long()
     weights = {k: v.float() for k, v in weights.items()}
-    engine = LlamaEngine(arch, weights, device, kernels, vocab_map=vocab_map)
+    engine = LlamaEngine(arch, weights, device, kernels, vocab_map=vocab_map, quantize=quantize)
     return engine, load_tokenizer(meta["target"]), None
 
 

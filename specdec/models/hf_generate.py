@@ -19,7 +19,7 @@ class HFGenerate:
                  cores: list[int] | None = None):
         from specdec.models import draft_model
         from specdec.models.hub import load_hf_model
-        from specdec.models.loading import resolve_draft_spec
+        from specdec.models.loading import resolve_draft_spec, split_quantization
 
         self.threads = threads
         self.cores = cores  # run on these CPU cores only (a split-topology baseline)
@@ -27,6 +27,9 @@ class HFGenerate:
         self.assistant = None
         if draft is not None and draft != "ngram":
             spec = resolve_draft_spec(draft, target)
+            if split_quantization(spec)[0] is not None:
+                raise ValueError(f"draft {draft!r}: hf-assisted runs transformers' assisted "
+                                 "generation, which has no int8 draft; pick another draft")
             if draft_model.is_draft_dir(spec):
                 self.assistant = draft_model.to_hf_model(spec)
             else:

@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from specdec.config import ServiceConfig
+from specdec.config import INT8, ServiceConfig, split_quantization
 from specdec.models.hub import load_hf_model, pick_device, resolve_model_dir
 from specdec.models.tokenizer import eos_token_ids, fingerprint
 from specdec.serving.arch import ArchConfig
@@ -25,14 +25,16 @@ def _set_threads(config: ServiceConfig) -> None:
 
 
 def load_engine(spec: str, device: torch.device, kernels: str = "auto"):
-    """(engine, tokenizer, hf_config) for a Hugging Face / GGUF / default model spec."""
+    """(engine, tokenizer, hf_config) for a Hugging Face / GGUF / default / draft-directory
+    model spec, quantized when it says so ("int8:<spec>")."""
     from specdec.models import draft_model
 
+    quantize, spec = split_quantization(spec)
     if draft_model.is_draft_dir(spec):
-        return draft_model.load_engine(spec, device, kernels)
+        return draft_model.load_engine(spec, device, kernels, quantize=quantize)
     check_architecture(spec)  # refuse before reading any weights
     model, tokenizer = load_hf_model(spec)
-    return LlamaEngine.from_hf(model, device, kernels), tokenizer, model.config
+    return LlamaEngine.from_hf(model, device, kernels, quantize=quantize), tokenizer, model.config
 
 
 def check_architecture(spec: str) -> ArchConfig:
@@ -64,10 +66,14 @@ def _model_info(config: ServiceConfig, engine, tokenizer, hf_config) -> ServiceI
 
 
 def resolve_draft_spec(spec: str, target: str) -> str:
-    """The draft spec to load: ``default-draft`` is the shipped draft for the default target."""
+    """The draft spec to load: ``default-draft`` is the shipped draft for the default target
+    (``int8:default-draft`` its int8 copy)."""
     from specdec.models import draft_model
     from specdec.models.hub import is_default_target
 
+    quantize, inner = split_quantization(spec)
+    if quantize is not None:
+        return f"{quantize}:{resolve_draft_spec(inner, target)}"
     if spec != DEFAULT_DRAFT:
         return spec
     shipped = draft_model.shipped_draft_dir()
@@ -101,4 +107,5 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
                         q_top_k=q_top_k)
 
 
-__all__ = ["build_target", "build_draft", "resolve_model_dir", "NGRAM", "DEFAULT_DRAFT"]
+__all__ = ["build_target", "build_draft", "resolve_model_dir", "split_quantization", "NGRAM",
+           "DEFAULT_DRAFT", "INT8"]

@@ -32,7 +32,9 @@ from specdec.serving.kernels import (
     MKL,
     MKL_T,
     ONEDNN,
+    QUANTIZATIONS,
     SMALLM,
+    Int8Linear,
     KernelPlan,
     Linear,
     choose_kernels,
@@ -120,6 +122,7 @@ class LlamaEngine:
         device: torch.device | str = "cpu",
         kernels: str = "auto",
         vocab_map: torch.Tensor | None = None,
+        quantize: str | None = None,
     ):
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
@@ -141,7 +144,16 @@ class LlamaEngine:
             plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ()) +
                               ((SMALLM,) if smallm else ())) \
                 if kernels == "auto" else KernelPlan.fixed(kernels)
+        if quantize is not None and quantize not in QUANTIZATIONS:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)} or None, got "
+                             f"{quantize!r}")
+        self.quantize = quantize
+        if quantize is not None:
+            plan = None  # one int8 product for every shape: nothing to choose between
         self.kernels = plan
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None):
+            return Linear(weight, bias, plan) if quantize is None else Int8Linear(weight, bias)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device, self.dtype)
@@ -155,11 +167,11 @@ class LlamaEngine:
             p = f"layers.{i}."
             layer = dict(
                 attn_norm=w(p + "attn_norm"),
-                qkv=Linear(w(p + "wqkv"), opt(p + "bqkv"), plan),
-                o=Linear(w(p + "wo"), opt(p + "bo"), plan),
+                qkv=linear(w(p + "wqkv"), opt(p + "bqkv")),
+                o=linear(w(p + "wo"), opt(p + "bo")),
                 mlp_norm=w(p + "mlp_norm"),
-                gate_up=Linear(w(p + "w_gate_up"), opt(p + "b_gate_up"), plan),
-                down=Linear(w(p + "w_down"), opt(p + "b_down"), plan),
+                gate_up=linear(w(p + "w_gate_up"), opt(p + "b_gate_up")),
+                down=linear(w(p + "w_down"), opt(p + "b_down")),
             )
             # Only for the architectures that have them (a key's absence is the plain path).
             for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
@@ -171,7 +183,7 @@ class LlamaEngine:
                 raise ValueError(f"{arch.model_type}: layer {i} has no post-attention norm")
             self.layers.append(layer)
         self.norm = w("norm")
-        self.head = Linear(w("head"), None, plan)
+        self.head = linear(w("head"), None)
         self.vocab_in = self.embed.shape[0]
         self.vocab_out = self.head.out_features
         self.vocab_map = None if vocab_map is None else vocab_map.to(torch.long)
@@ -220,10 +232,12 @@ class LlamaEngine:
     # -- construction -----------------------------------------------------------------------
 
     @classmethod
-    def from_hf(cls, model, device="cpu", kernels: str = "auto") -> "LlamaEngine":
+    def from_hf(cls, model, device="cpu", kernels: str = "auto",
+                quantize: str | None = None) -> "LlamaEngine":
         """From a transformers Llama-family causal LM (weights are copied)."""
         arch = ArchConfig.from_hf(model.config)
-        return cls(arch, canonical_weights(model.state_dict(), arch), device, kernels)
+        return cls(arch, canonical_weights(model.state_dict(), arch), device, kernels,
+                   quantize=quantize)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.arch, self.device, self.dtype)

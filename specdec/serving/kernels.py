@@ -65,6 +65,8 @@ from specdec.models.hub import cache_root
 log = logging.getLogger(__name__)
 
 MKL, MKL_T, ONEDNN, SMALLM = "mkl", "mkl-t", "onednn", "smallm"
+INT8 = "int8"  # a weight quantization (Int8Linear), not a kernel choice: it changes the model
+QUANTIZATIONS = (INT8,)
 
 SMALLM_SOURCE = Path(__file__).parent / "native" / "smallm.c"
 
@@ -111,6 +113,8 @@ def smallm_library() -> tuple[ctypes.CDLL, int] | None:
         return None
     lib.sd_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
     lib.sd_linear.restype = None
+    lib.sd_linear_q8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+    lib.sd_linear_q8.restype = None
     panel = int(lib.sd_panel())
     if panel == 0:
         log.info("smallm kernel unavailable: this CPU has neither AVX-512 nor AVX2 + FMA")
@@ -127,7 +131,7 @@ def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
     the input dimension (zero past ``out``), the layout the smallm kernel streams."""
     n, k = weight.shape
     panels = -(-n // panel)
-    padded = torch.zeros(panels * panel, k, dtype=torch.float32)
+    padded = torch.zeros(panels * panel, k, dtype=weight.dtype)
     padded[:n] = weight
     return padded.view(panels, panel, k).transpose(1, 2).contiguous()
 
@@ -262,6 +266,50 @@ class Linear:
             self.packed = None
         if SMALLM not in kernels:
             self.panels = None
+
+
+class Int8Linear:
+    """y = x @ (scale * q).T + bias: weight-only int8, one scale per output row (symmetric,
+    scale = max |w| / 127).
+
+    A draft's quantization, never a target's: it changes the model (the default target's
+    int8 copy agrees with the fp32 target on ~95% of greedy tokens), which a draft may do and
+    a target may not. What it buys is weight bytes: on CPU the product is smallm's int8 variant
+    (``sd_linear_q8``: the packed int8 panels streamed once for up to 8 rows, converted to
+    float in registers, activations and sums in float32), a quarter of the fp32 weight's bytes
+    on a memory-bound core. Where smallm cannot run (GPUs, no C compiler, neither AVX-512 nor
+    AVX2) the weight is dequantized once and the product is F.linear: the same quantized
+    model, without the speed.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.contiguous()
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.panels: torch.Tensor | None = None
+        self.plain: torch.Tensor | None = None
+        if smallm_available(weight.device):
+            self.lib, self.panel = smallm_library()
+            self.panels = pack_panels(q, self.panel)
+            self.scale = scale.contiguous()
+        else:
+            self.plain = (q.float() * scale[:, None]).to(weight.device, weight.dtype)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is None:
+            return F.linear(x, self.plain, self.bias)
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        self.lib.sd_linear_q8(x.data_ptr(), self.panels.data_ptr(), self.scale.data_ptr(),
+                              None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
+                              x.shape[0], self.in_features, self.out_features, self.panel,
+                              torch.get_num_threads())
+        return y
+
+    def keep_only(self, kernels: set[str]) -> None:
+        """(One layout: nothing to free.)"""
 
 
 def choose_kernels(plan: KernelPlan, linears: list[Linear], forward_ms: Callable[[int], float],

@@ -1,5 +1,7 @@
 // specdec's "smallm" linear kernel (specdec/serving/kernels.py): y[M, N] = x[M, K] W[N, K]^T
-// (+ bias) for the few rows of a decode or verify pass, on one thread or split between torch's.
+// (+ bias) for the few rows of a decode or verify pass, on one thread or split between torch's;
+// W in float32 (sd_linear) or int8 with a float scale per output column (sd_linear_q8, an int8
+// draft's layers: a quarter of the bytes to stream, converted to float in registers).
 //
 // The weight is packed once into panels of P output columns, wp[p][k][c] = W[p * P + c][k]
 // (zero past N), and every call streams it once whatever M is: each weight vector loaded is
@@ -17,18 +19,19 @@
 
 #define PREFETCH_ROWS 32  /* prefetch distance along k, in panel rows (best of 8..128 measured) */
 
-#define BLOCK(NAME, TARGET, VEC, P, LOAD, SET1, FMA, ZERO, STORE)                          \
+#define BLOCK(NAME, TARGET, VEC, WT, P, LOAD, SET1, FMA, ZERO, STORE)                      \
 __attribute__((target(TARGET), always_inline)) static inline void NAME(                     \
-    const float *x, const float *w0, float *out, int K, const int MB, const int J) {      \
+    const float *x, const WT *w0, float *out, int K, const int MB, const int J) {         \
   VEC acc[8][4];                                                                           \
   for (int a = 0; a < MB; a++)                                                             \
     for (int j = 0; j < J; j++) acc[a][j] = ZERO;                                          \
   for (int k = 0; k < K; k++) {                                                            \
-    const float *w = w0 + (long)k * P;                                                     \
+    const WT *w = w0 + (long)k * P;                                                        \
     VEC wv[4];                                                                             \
     for (int j = 0; j < J; j++) {                                                          \
       wv[j] = LOAD(w + (long)j * K * P);                                                   \
-      _mm_prefetch((const char *)(w + (long)j * K * P + PREFETCH_ROWS * P), _MM_HINT_T0);  \
+      _mm_prefetch((const char *)(w + (long)j * K * P) + PREFETCH_ROWS * P * 4,            \
+                   _MM_HINT_T0); /* the same distance in bytes for either weight type */    \
     }                                                                                      \
     for (int a = 0; a < MB; a++) {                                                         \
       VEC xv = SET1(x[(long)a * K + k]);                                                   \
@@ -44,10 +47,10 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
 
 // J panels at a time for a block of mb rows: mb * J accumulators in registers (AVX-512: 32
 // of them, AVX2: 16), as many as fit beside the J weight vectors.
-#define KERNEL(NAME, BLOCKFN, TARGET, P, JFOR)                                             \
+#define KERNEL(NAME, BLOCKFN, TARGET, WT, P, JFOR)                                         \
 __attribute__((target(TARGET))) static void NAME(                                          \
-    const float *x, const float *wp, const float *bias, float *y, int M, int K, int N,    \
-    int ldy) {                                                                             \
+    const float *x, const WT *wp, const float *scale, const float *bias, float *y, int M, \
+    int K, int N, int ldy) {                                                               \
   int panels = (N + P - 1) / P;                                                            \
   float out[8 * 4 * P];                                                                    \
   for (int m0 = 0; m0 < M; m0 += 8) {                                                      \
@@ -57,7 +60,7 @@ __attribute__((target(TARGET))) static void NAME(                               
     for (int p0 = 0; p0 < panels; p0 += J) {                                               \
       int jb = panels - p0 < J ? panels - p0 : J;                                          \
       if (jb == 3) jb = 2;                                                                 \
-      const float *w0 = wp + (long)p0 * K * P;                                             \
+      const WT *w0 = wp + (long)p0 * K * P;                                                \
       switch (mb * 8 + jb) { /* constant shapes, so the loops unroll */                    \
         CASES(BLOCKFN, 1) CASES(BLOCKFN, 2) CASES(BLOCKFN, 3) CASES(BLOCKFN, 4)            \
         CASES(BLOCKFN, 5) CASES(BLOCKFN, 6) CASES(BLOCKFN, 7) CASES(BLOCKFN, 8)            \
@@ -67,7 +70,10 @@ __attribute__((target(TARGET))) static void NAME(                               
         for (int a = 0; a < mb; a++) {                                                     \
           float *dst = y + (long)(m0 + a) * ldy + n0;                                      \
           const float *src = out + (a * 4 + j) * P;                                        \
-          if (bias) for (int c = 0; c < nv; c++) dst[c] = src[c] + bias[n0 + c];           \
+          if (scale)                                                                       \
+            for (int c = 0; c < nv; c++)                                                   \
+              dst[c] = src[c] * scale[n0 + c] + (bias ? bias[n0 + c] : 0.0f);              \
+          else if (bias) for (int c = 0; c < nv; c++) dst[c] = src[c] + bias[n0 + c];      \
           else memcpy(dst, src, nv * sizeof(float));                                       \
         }                                                                                  \
       }                                                                                    \
@@ -79,12 +85,22 @@ __attribute__((target(TARGET))) static void NAME(                               
 #define J512(mb) ((mb) <= 4 ? 4 : 2)
 #define J256(mb) ((mb) <= 2 ? 4 : (mb) <= 4 ? 2 : 1)
 
-BLOCK(block512, "avx512f", __m512, 16, _mm512_loadu_ps, _mm512_set1_ps, _mm512_fmadd_ps,
+// int8 weights: P bytes loaded, widened to P int32, converted to P floats (exact: |q| <= 127)
+#define LOADQ512(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define LOADQ256(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+
+BLOCK(block512, "avx512f", __m512, float, 16, _mm512_loadu_ps, _mm512_set1_ps, _mm512_fmadd_ps,
       _mm512_setzero_ps(), _mm512_storeu_ps)
-BLOCK(block256, "avx2,fma", __m256, 8, _mm256_loadu_ps, _mm256_set1_ps, _mm256_fmadd_ps,
+BLOCK(block256, "avx2,fma", __m256, float, 8, _mm256_loadu_ps, _mm256_set1_ps, _mm256_fmadd_ps,
       _mm256_setzero_ps(), _mm256_storeu_ps)
-KERNEL(linear512, block512, "avx512f", 16, J512)
-KERNEL(linear256, block256, "avx2,fma", 8, J256)
+BLOCK(blockq512, "avx512f", __m512, signed char, 16, LOADQ512, _mm512_set1_ps, _mm512_fmadd_ps,
+      _mm512_setzero_ps(), _mm512_storeu_ps)
+BLOCK(blockq256, "avx2,fma", __m256, signed char, 8, LOADQ256, _mm256_set1_ps, _mm256_fmadd_ps,
+      _mm256_setzero_ps(), _mm256_storeu_ps)
+KERNEL(linear512, block512, "avx512f", float, 16, J512)
+KERNEL(linear256, block256, "avx2,fma", float, 8, J256)
+KERNEL(linearq512, blockq512, "avx512f", signed char, 16, J512)
+KERNEL(linearq256, blockq256, "avx2,fma", signed char, 8, J256)
 
 // The panel width this CPU's kernel reads: 16 (AVX-512), 8 (AVX2 + FMA), 0 (neither).
 int sd_panel(void) {
@@ -94,17 +110,20 @@ int sd_panel(void) {
   return 0;
 }
 
-static void linear(const float *x, const float *wp, const float *bias, float *y, int M,
-                   int K, int N, int ldy, int panel) {
-  if (panel == 16) linear512(x, wp, bias, y, M, K, N, ldy);
-  else if (panel == 8) linear256(x, wp, bias, y, M, K, N, ldy);
+// scale NULL: float32 weights; else int8 weights and their column scales.
+static void linear(const float *x, const void *wp, const float *scale, const float *bias,
+                   float *y, int M, int K, int N, int ldy, int panel) {
+  if (scale) {
+    if (panel == 16) linearq512(x, wp, scale, bias, y, M, K, N, ldy);
+    else if (panel == 8) linearq256(x, wp, scale, bias, y, M, K, N, ldy);
+  } else {
+    if (panel == 16) linear512(x, wp, 0, bias, y, M, K, N, ldy);
+    else if (panel == 8) linear256(x, wp, 0, bias, y, M, K, N, ldy);
+  }
 }
 
-// x: [M, K] and y: [M, N] row-major float32; wp packed for ``panel`` (sd_panel's); bias or NULL.
-// ``threads`` > 1 (where built with OpenMP, in the process's OpenMP pool: torch's own): the
-// panels are split between the threads in runs of 4, each streaming its share of the weight.
-void sd_linear(const float *x, const float *wp, const float *bias, float *y, int M, int K,
-               int N, int panel, int threads) {
+static void run(const float *x, const void *wp, int wsize, const float *scale,
+                const float *bias, float *y, int M, int K, int N, int panel, int threads) {
 #ifdef _OPENMP
   int panels = (N + panel - 1) / panel;
   if (threads > 1 && panels >= 8 * threads) {
@@ -115,15 +134,29 @@ void sd_linear(const float *x, const float *wp, const float *bias, float *y, int
       int p0 = t * per, p1 = p0 + per < panels ? p0 + per : panels;
       if (p0 < p1) {
         int c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
-        linear(x, wp + (long)p0 * K * panel, bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N,
-               panel);
+        linear(x, (const char *)wp + (long)p0 * K * panel * wsize, scale ? scale + c0 : 0,
+               bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N, panel);
       }
     }
     return;
   }
 #endif
   (void)threads;
-  linear(x, wp, bias, y, M, K, N, N, panel);
+  linear(x, wp, scale, bias, y, M, K, N, N, panel);
+}
+
+// x: [M, K] and y: [M, N] row-major float32; wp packed for ``panel`` (sd_panel's); bias or NULL.
+// ``threads`` > 1 (where built with OpenMP, in the process's OpenMP pool: torch's own): the
+// panels are split between the threads in runs of 4, each streaming its share of the weight.
+void sd_linear(const float *x, const float *wp, const float *bias, float *y, int M, int K,
+               int N, int panel, int threads) {
+  run(x, wp, sizeof(float), 0, bias, y, M, K, N, panel, threads);
+}
+
+// The same with int8 weights wq (packed as sd_linear's) and y[:, n] scaled by scale[n].
+void sd_linear_q8(const float *x, const signed char *wq, const float *scale, const float *bias,
+                  float *y, int M, int K, int N, int panel, int threads) {
+  run(x, wq, 1, scale, bias, y, M, K, N, panel, threads);
 }
 
 // Whether this build splits calls between threads (built with OpenMP).
