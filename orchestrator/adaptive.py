@@ -450,11 +450,14 @@ class LookupSizer:
         self.pool = pool
         self.skipped = 0
 
+    def rate(self) -> float:
+        """Expected tokens per millisecond of a round with a lookup block of ``size``."""
+        return (1.0 + self.mean_accepted) / self.costs.verify_ms(self.max_size)
+
     def worth_it(self) -> bool:
         # (Under load verify_ms costs every session's block at this size: stricter than
         # raises_throughput for a block that is ready at the verdict, as a lookup is.)
-        return (1.0 + self.mean_accepted) / self.costs.verify_ms(self.max_size) > \
-            1.0 / self.costs.verify_ms(0)
+        return self.rate() > 1.0 / self.costs.verify_ms(0)
 
     def size(self) -> int:
         if self.worth_it():

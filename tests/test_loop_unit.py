@@ -402,3 +402,30 @@ def test_adaptive_k_starts_from_what_earlier_generations_accepted_while_others_r
     assert orch._controller(req()).acceptance < 0.1
     sampled = orch._controller(req(temperature=0.8, seed=3, rule="rejection"))
     assert sampled.acceptance == 0.5 and sampled.pool is None
+    # A draft better than the prior: alone too, a new generation starts from what it accepted
+    orch.active = 0
+    good = Orchestrator(target, FakeDraft(wrong_every=10 ** 9), FakeTokenizer(), [EOS],
+                        max_context=1024)
+    stats = asyncio.run(good.generate(req(k=2))).stats
+    assert stats.accepted_tokens == stats.draft_tokens > 20
+    assert good.active == 0 and good._controller(req()).acceptance > 0.9
+
+
+def test_a_prompt_lookup_takes_a_round_only_where_it_beats_the_draft_models_block():
+    """A prompt that repeats itself offers a lookup block at its first round. Over a draft
+    that has been right every time (pooled acceptance ~1: its block of 8 beats a lookup at
+    its prior), the draft drafts; over a draft that is never right, the lookup takes it."""
+    prompt = [1, 2, 3, 4] * 5
+    seen = {}
+    for name, wrong_every in (("perfect", 10 ** 9), ("never right", 1)):
+        target, draft = FakeTarget(), FakeDraft(wrong_every=wrong_every)
+        orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
+        for p, lookup in (([5, 11, 23], False), (prompt, True)):  # the first fills the pool
+            target.prompt_len = len(p)
+            req = GenerationRequest(list(p), 24, SamplingParams(), [], "spec", None,
+                                    prompt_lookup=lookup)
+            result = asyncio.run(orch.generate(req))
+            assert result.token_ids == target_text(p, 24)
+        seen[name] = result.stats.lookup_rounds
+    assert seen["perfect"] == 0
+    assert seen["never right"] >= 1
