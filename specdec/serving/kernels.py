@@ -37,6 +37,9 @@ made a block of two cost 1.30x one token, where the kernel per row count makes i
 drops the weight layouts no kept kernel reads (while it measures, every candidate's layout is
 held: up to three copies of the weights).
 
+``Int8Linear`` is not a kernel choice but a model: a draft's weights quantized to int8
+(``int8:<spec>``), on smallm's int8 variant.
+
 The kernels round fp32 differently in the last bits (logits of the default target differ by up
 to ~5e-5), which the exactness notes in the README account for.
 """
