@@ -63,13 +63,14 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from specdec.config import INT8
 from specdec.models.hub import cache_root
 
 log = logging.getLogger(__name__)
 
 MKL, MKL_T, ONEDNN, SMALLM = "mkl", "mkl-t", "onednn", "smallm"
-INT8 = "int8"  # a weight quantization (Int8Linear), not a kernel choice: it changes the model
-QUANTIZATIONS = (INT8,)
+QUANTIZATIONS = (INT8,)  # weight quantizations (Int8Linear), not kernel choices: they change
+# the model
 
 SMALLM_SOURCE = Path(__file__).parent / "native" / "smallm.c"
 
@@ -310,9 +311,6 @@ class Int8Linear:
                               x.shape[0], self.in_features, self.out_features, self.panel,
                               torch.get_num_threads())
         return y
-
-    def keep_only(self, kernels: set[str]) -> None:
-        """(One layout: nothing to free.)"""
 
 
 def choose_kernels(plan: KernelPlan, linears: list[Linear], forward_ms: Callable[[int], float],
