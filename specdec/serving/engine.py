@@ -139,17 +139,14 @@ class LlamaEngine:
         if kernels == "smallm" and not smallm:
             raise ValueError("kernels='smallm' needs a CPU with AVX-512 or AVX2 + FMA and a C "
                              "compiler (cc, gcc or $CC)")
-        plan = None
-        if self.device.type == "cpu":
-            plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ()) +
-                              ((SMALLM,) if smallm else ())) \
-                if kernels == "auto" else KernelPlan.fixed(kernels)
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)} or None, got "
                              f"{quantize!r}")
-        self.quantize = quantize
-        if quantize is not None:
-            plan = None  # one int8 product for every shape: nothing to choose between
+        plan = None  # quantized: one int8 product for every shape, nothing to choose between
+        if self.device.type == "cpu" and quantize is None:
+            plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ()) +
+                              ((SMALLM,) if smallm else ())) \
+                if kernels == "auto" else KernelPlan.fixed(kernels)
         self.kernels = plan
 
         def linear(weight: torch.Tensor, bias: torch.Tensor | None):
