@@ -21,7 +21,7 @@ import torch
 from conftest import REPO, ServiceThread, hf_greedy, perturb, run
 
 from specdec.models.hub import load_hf_model
-from specdec.serving.arch import ArchConfig
+from specdec.serving.arch import ArchConfig, canonical_weights
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.kernels import smallm_available
 
@@ -204,6 +204,46 @@ def test_logits_match_transformers(family_dirs, name, kernels):
         ref_freq = per_type if per_type is not None else rotary.inv_freq
         assert torch.equal(engine.inv_freqs[engine.layer_rope[i]], ref_freq), (name, i)
 
+    worst_abs, worst = engine_vs_transformers(engine, model)
+    print(f"{name} ({kernels}): max |logit difference| {worst_abs:.2e}, relative {worst:.2e}")
+    assert worst < TOL, (name, worst)
+
+
+# The families whose layers the engine runs on its fused C ops (LlamaEngine._native_ops); the
+# others have q/k norms (qwen3, gemma3), GELU (gemma) or sandwich norms and soft-capping (gemma2)
+NATIVE_FAMILIES = ["llama3", "llama2", "llama_linear", "llama_dynamic", "llama_biases", "qwen2",
+                   "qwen2_sliding", "mistral", "mistral_sliding"]
+
+
+@pytest.mark.skipif(not smallm_available(torch.device("cpu")), reason="no native library here")
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_native_layer_ops_compute_what_torch_ops_and_transformers_do(family_dirs, name):
+    """The fused C ops (RMSNorm with the residual, RoPE, causal and sliding-window attention
+    over the KV cache, SiLU-gating) run the plain Llama families' layers and match both
+    transformers and the engine's torch ops, alone and in a ragged batch; the others keep
+    torch's ops."""
+    model, _ = load_hf_model(family_dirs(name))
+    native = LlamaEngine.from_hf(model, kernels="mkl")
+    plain = LlamaEngine(native.arch, canonical_weights(model.state_dict(), native.arch),
+                        kernels="mkl", native=False)
+    assert (native.native is not None) == (name in NATIVE_FAMILIES), name
+    assert plain.native is None
+    for engine in (native, plain):
+        assert engine_vs_transformers(engine, model)[1] < TOL, name
+    # Two sessions in one pass, across the sliding window: a verify block beside one step.
+    ids = torch.arange(SEQ) * 37 % 5000 + 100
+    out = []
+    for engine in (native, plain):
+        a, b = engine.new_cache(), engine.new_cache()
+        engine.forward([a, b], [ids[:20], ids[5:17]], [1, 1])
+        out.append(engine.forward([a, b], [ids[20:25], ids[17:18]], [5, 1]))
+    for x, y in zip(*out):
+        assert max_diff(x, y)[1] < TOL, name
+
+
+def engine_vs_transformers(engine: LlamaEngine, model) -> tuple[float, float]:
+    """Max (absolute, relative) logit difference from transformers' forward over a prefill,
+    single steps, a verify block and a rollback into the steps followed by a block."""
     ids = torch.arange(SEQ) * 37 % 5000 + 100
     with torch.no_grad():
         ref = model(ids[None]).logits[0].float()  # [SEQ, vocab]
@@ -215,9 +255,7 @@ def test_logits_match_transformers(family_dirs, name, kernels):
     cache.truncate(30)  # roll back into the steps, then a block again (a rejected draft)
     parts.append((engine.forward([cache], [ids[30:SEQ]], [SEQ - 30])[0], ref[30:SEQ]))
     diffs = [max_diff(out, r) for out, r in parts]
-    worst_abs, worst = max(d[0] for d in diffs), max(d[1] for d in diffs)
-    print(f"{name} ({kernels}): max |logit difference| {worst_abs:.2e}, relative {worst:.2e}")
-    assert worst < TOL, (name, worst)
+    return max(d[0] for d in diffs), max(d[1] for d in diffs)
 
 
 @pytest.mark.parametrize("name", GREEDY_FAMILIES)

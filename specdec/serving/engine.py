@@ -40,6 +40,7 @@ from specdec.serving.kernels import (
     choose_kernels,
     prepack_available,
     smallm_available,
+    smallm_library,
     timed,
 )
 
@@ -123,7 +124,11 @@ class LlamaEngine:
         kernels: str = "auto",
         vocab_map: torch.Tensor | None = None,
         quantize: str | None = None,
+        native: bool = True,
     ):
+        """``native``: run what a layer does between its linear layers on the fused C ops
+        (``native/layerops.c``) where they can run it exactly (see ``_native_ops``); False:
+        always torch's ops."""
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
         self.arch = arch
@@ -202,8 +207,22 @@ class LlamaEngine:
             torch.tensor(arch.embed_scale, dtype=torch.float32).to(self.device, self.dtype)
         self.act = F.silu if arch.hidden_act == "silu" else \
             (lambda x: F.gelu(x, approximate="tanh"))
+        self.native = self._native_ops() if native else None
         if plan is not None and plan.trying:
             choose_kernels(plan, self._linears(), self.forward_timer())
+
+    def _native_ops(self):
+        """The fused layer ops' library, where they compute this model's layers: on CPU in
+        float32, for the plain Llama block (SiLU MLP, RoPE over the whole head, no q/k norms,
+        sandwich norms or soft-capping: Llama, Mistral, Qwen2 and the drafts; the other
+        families keep torch's ops). None elsewhere, or where the library cannot be built."""
+        a = self.arch
+        plain = a.hidden_act == "silu" and not a.qk_norm and not a.sandwich_norms and \
+            a.attn_softcap is None and a.head_dim % 2 == 0 and a.num_heads % a.num_kv_heads == 0
+        if not plain or self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        built = smallm_library()
+        return None if built is None else built[0]
 
     def _linears(self) -> list[Linear]:
         return [layer[n] for layer in self.layers for n in ("qkv", "o", "gate_up", "down")] + [
@@ -282,8 +301,14 @@ class LlamaEngine:
         x = self.embed[p.flat]  # [N, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        for li, layer in enumerate(self.layers):
-            x = self._block(x, li, layer, caches, p)
+        if self.native is not None:
+            delta = None  # each layer's MLP output, added to x by the next layer's first op
+            for li, layer in enumerate(self.layers):
+                delta = self._native_block(x, delta, li, layer, caches, p)
+            x += delta
+        else:
+            for li, layer in enumerate(self.layers):
+                x = self._block(x, li, layer, caches, p)
         for c, n0, t in zip(caches, p.lengths, p.sizes):
             c.length = n0 + t
         rows = torch.cat([torch.arange(p.offsets[i + 1] - m, p.offsets[i + 1], device=self.device)
@@ -308,11 +333,20 @@ class LlamaEngine:
             [torch.arange(n0, n0 + t, device=self.device) for n0, t in zip(lengths, sizes)]
         )  # [N]
         ropes = []  # (cos, sin) per RoPE group, each [N, 1, head_dim]
+        native_ropes = []  # ... for the native path: [N, head_dim / 2] (the halves are equal)
         for inv_freq in self.inv_freqs:
             angles = positions.float()[:, None] * inv_freq[None, :]  # [N, head_dim / 2]
+            if self.native is not None:
+                native_ropes.append((angles.cos().contiguous(), angles.sin().contiguous()))
+                continue
             emb = torch.cat((angles, angles), dim=-1)
             ropes.append((emb.cos().to(self.dtype)[:, None, :],
                           emb.sin().to(self.dtype)[:, None, :]))
+        if self.native is not None:  # (it masks and windows each session's keys itself)
+            offsets = [0]
+            for t in sizes:
+                offsets.append(offsets[-1] + t)
+            return _Pass(lengths, sizes, offsets, flat, ropes, {}, native_ropes)
         spans = {}
         for window in self.windows:  # None: full causal
             per = []
@@ -331,7 +365,7 @@ class LlamaEngine:
         offsets = [0]
         for t in sizes:
             offsets.append(offsets[-1] + t)
-        return _Pass(lengths, sizes, offsets, flat, ropes, spans)
+        return _Pass(lengths, sizes, offsets, flat, ropes, spans, [])
 
     def _block(self, x: torch.Tensor, li: int, layer: dict, caches: Sequence[KVCache],
                p: "_Pass") -> torch.Tensor:
@@ -361,6 +395,39 @@ class LlamaEngine:
         if "post_mlp_norm" in layer:
             mlp_out = self._rms_norm(mlp_out, layer["post_mlp_norm"])
         return x + mlp_out
+
+    def _native_block(self, x: torch.Tensor, delta: torch.Tensor | None, li: int, layer: dict,
+                      caches: Sequence[KVCache], p: "_Pass") -> torch.Tensor:
+        """``_block`` on the fused C ops: x += delta (the last layer's MLP output), attention
+        and its residual in place, and this layer's MLP output returned (not yet added)."""
+        a, lib = self.arch, self.native
+        hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
+        n, hidden = x.shape
+        f = 4  # bytes per float32
+        h = torch.empty_like(x)
+        lib.sd_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                            layer["attn_norm"].data_ptr(), h.data_ptr(), n, hidden,
+                            a.rms_norm_eps)
+        qkv = layer["qkv"](h).contiguous()  # [N, (hq + 2 hkv) d]
+        attn = torch.empty(n, hq * d)
+        cos, sin = p.native_ropes[self.layer_rope[li]]
+        window = self.layer_window[li] or 0
+        scale = a.attn_scale if a.attn_scale is not None else d ** -0.5
+        ld = qkv.shape[1]
+        for i, cache in enumerate(caches):
+            s, e = p.offsets[i], p.offsets[i + 1]
+            kc, vc = cache.k, cache.v  # [layers, hkv, capacity, d], contiguous
+            lib.sd_attend(qkv.data_ptr() + s * ld * f, ld, e - s, cos.data_ptr() + s * d // 2 * f,
+                          sin.data_ptr() + s * d // 2 * f, kc.data_ptr() + li * kc.stride(0) * f,
+                          vc.data_ptr() + li * vc.stride(0) * f, kc.stride(1), p.lengths[i],
+                          window, scale, hq, hkv, d, attn.data_ptr() + s * hq * d * f)
+        o = layer["o"](attn).contiguous()
+        lib.sd_add_rms_norm(x.data_ptr(), o.data_ptr(), layer["mlp_norm"].data_ptr(),
+                            h.data_ptr(), n, hidden, a.rms_norm_eps)
+        gate_up = layer["gate_up"](h).contiguous()  # [N, 2 * intermediate]
+        act = torch.empty(n, gate_up.shape[1] // 2)
+        lib.sd_silu_mul(gate_up.data_ptr(), act.data_ptr(), n, act.shape[1])
+        return layer["down"](act)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int,
                 caches: Sequence[KVCache], p: "_Pass") -> torch.Tensor:
@@ -414,3 +481,4 @@ class _Pass(NamedTuple):
     flat: torch.Tensor  # [N] every session's new tokens
     ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) per RoPE group
     spans: dict  # window -> per session (first key position, mask or None)
+    native_ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) [N, head_dim / 2]

@@ -73,6 +73,8 @@ QUANTIZATIONS = (INT8,)  # weight quantizations (Int8Linear), not kernel choices
 # the model
 
 SMALLM_SOURCE = Path(__file__).parent / "native" / "smallm.c"
+# The fused decoder-layer ops (the engine's native path), built into the same library.
+LAYEROPS_SOURCE = Path(__file__).parent / "native" / "layerops.c"
 
 
 def _cache_dir() -> Path:
@@ -91,19 +93,23 @@ def _cache_dir() -> Path:
 
 @functools.cache
 def smallm_library() -> tuple[ctypes.CDLL, int] | None:
-    """The smallm kernel's library and panel width, built once per source version (compiled
-    to a temporary name and renamed, so services starting together never load half a file);
-    None where it cannot run: no C compiler, neither AVX-512 nor AVX2 + FMA, a build error."""
-    source = SMALLM_SOURCE.read_bytes()
+    """The smallm kernel's library (with the fused layer ops of ``layerops.c``) and panel
+    width, built once per source version (compiled to a temporary name and renamed, so services
+    starting together never load half a file); None where it cannot run: no C compiler,
+    neither AVX-512 nor AVX2 + FMA, a build error."""
+    sources = (SMALLM_SOURCE, LAYEROPS_SOURCE)
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in sources)).hexdigest()[:16]
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     try:
-        out = _cache_dir() / f"smallm-{hashlib.sha256(source).hexdigest()[:16]}.so"
+        out = _cache_dir() / f"smallm-{digest}.so"
         if not out.exists():
             if compiler is None:
                 log.info("smallm kernel unavailable: no C compiler (cc, gcc or $CC)")
                 return None
             tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            base = [compiler, "-O3", "-shared", "-fPIC", str(SMALLM_SOURCE), "-o", str(tmp)]
+            # (-fno-math-errno: sqrtf is an instruction, not a call that stops vectorisation)
+            base = [compiler, "-O3", "-fno-math-errno", "-shared", "-fPIC",
+                    *map(str, sources), "-o", str(tmp), "-lm"]
             try:  # with OpenMP (the threads are torch's: the same libgomp, by its soname)
                 subprocess.run(base + ["-fopenmp"], check=True, capture_output=True,
                                timeout=120)
@@ -119,6 +125,13 @@ def smallm_library() -> tuple[ctypes.CDLL, int] | None:
     lib.sd_linear.restype = None
     lib.sd_linear_q8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
     lib.sd_linear_q8.restype = None
+    ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    lib.sd_add_rms_norm.argtypes = [ptr] * 4 + [i32, i32, f32]
+    lib.sd_attend.argtypes = [ptr, i32, i32, ptr, ptr, ptr, ptr, i64, i32, i32, f32, i32, i32,
+                              i32, ptr]
+    lib.sd_silu_mul.argtypes = [ptr, ptr, i32, i32]
+    for fn in (lib.sd_add_rms_norm, lib.sd_attend, lib.sd_silu_mul):
+        fn.restype = None
     panel = int(lib.sd_panel())
     if panel == 0:
         log.info("smallm kernel unavailable: this CPU has neither AVX-512 nor AVX2 + FMA")
