@@ -92,6 +92,26 @@ def test_ngram_proposals_are_exact_substrings_of_the_history(seed):
         assert history[-1] not in history[:-1]  # nothing to look up
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_ngram_lookup_takes_the_longest_suffix_at_its_latest_occurrence(seed):
+    import random
+
+    def reference(history, k, max_ngram, min_ngram):  # the definition, position by position
+        for n in range(min(max_ngram, len(history) - 1), min_ngram - 1, -1):
+            for j in range(len(history) - n - 1, -1, -1):
+                if history[j : j + n] == history[len(history) - n :]:
+                    return history[j + n : j + n + k]
+        return []
+
+    rng = random.Random(seed)
+    for _ in range(20):
+        history = [rng.randrange(rng.choice([2, 4, 9])) for _ in range(rng.randrange(1, 80))]
+        k, max_ngram = rng.randrange(1, 9), rng.randrange(1, 6)
+        min_ngram = rng.randrange(1, max_ngram + 1)
+        assert lookup(history, k, max_ngram, min_ngram) == \
+            reference(history, k, max_ngram, min_ngram), (history, k, max_ngram, min_ngram)
+
+
 def test_ngram_drafter_proposes_from_a_repetitive_prompt_and_stays_exact(tiny_services):
 
     prompt = [5, 6, 7, 8] * 10

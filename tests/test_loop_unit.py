@@ -186,19 +186,30 @@ def test_pipelined_rounds_hit_and_miss_with_a_poor_draft_and_cancel_the_misses()
     assert s.tokens_per_round and max(s.tokens_per_round) >= 2
 
 
-def test_sequential_rounds_prefill_the_draft_beside_the_targets_prefill():
+@pytest.mark.parametrize("shared", [False, True])
+def test_sequential_rounds_prefill_the_draft_beside_the_targets_prefill(shared):
     """spec's first round verifies no block: the draft prefills the prompt (a 1-token call)
-    while the target prefills it, and the next round's draft call goes after that one."""
-    draft = FakeDraft(wrong_every=5)
-    result = generate("spec", 3, draft=draft, max_new=20)
+    while the target prefills it, and the next round's draft call goes after that one; where
+    the draft shares the target's cores, its prefill waits for the target's first token."""
+    target, draft = FakeTarget(), FakeDraft(wrong_every=5)
+    target.prompt_len = 3
+    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
+    orch.shared_cores = shared
+    req = GenerationRequest([5, 11, 23], 20, SamplingParams(), [], "spec", 3,
+                            prompt_lookup=False)
+    result = asyncio.run(orch.generate(req))
     assert result.token_ids == target_text([5, 11, 23], 20)
     calls = result.stats.calls
     first_verify = next(c for c in calls if c.service == "target")
-    warmup, *later = [c for c in calls if c.service == "draft"]
-    assert warmup.tokens == 1 and warmup.start < first_verify.end  # beside the prefill
+    first_draft, *later = [c for c in calls if c.service == "draft"]
     assert result.stats.tokens_per_round[0] == 1 and result.stats.draft_tokens > 0
-    assert later and all(c.start >= warmup.end for c in later)  # one call at a time
+    assert all(c.start >= first_draft.end for c in later)  # one call at a time
     assert draft.calls == len(later) + 1
+    if shared:  # the draft's first call (its prefill) after the target's prefill
+        assert first_draft.start >= first_verify.end and first_draft.tokens == 3
+    else:
+        assert first_draft.tokens == 1 and first_draft.start < first_verify.end
+        assert later
 
 
 def test_eos_ends_the_generation_where_the_target_emits_it():
