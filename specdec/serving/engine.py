@@ -13,7 +13,10 @@ gemma, gemma2 (soft-capping, sandwich norms), gemma3_text (q/k norms, local/glob
 RoPE types default, linear, dynamic (within the model's context) and llama3; sliding-window
 attention, per layer. ``ArchConfig.from_hf`` refuses any config it cannot run exactly, naming
 what is unsupported. Every feature beyond plain Llama is a branch taken only for a config that
-has it: a plain Llama pass runs the same ops as before they existed. Weights use one canonical
+has it: a plain Llama pass runs the same ops as before they existed. On CPU in fp32 a plain
+Llama block runs what lies between its linear layers on specdec's fused C ops
+(``native/layerops.c``: three calls per layer where torch's ops were ~30, each 3-45 us to
+dispatch), the other families on torch's ops (``_native_ops``). Weights use one canonical
 naming, filled from a Hugging Face model (``from_hf``) or a specdec draft file
 (``specdec.models.draft_model``).
 """
