@@ -146,11 +146,12 @@ class FakeDraft:
 
 
 def generate(mode: str, k: int | None = None, draft=None, target=None, max_new: int = 40,
-             prompt=(5, 11, 23), branches: bool = True):
+             prompt=(5, 11, 23), branches: bool = True, shared_cores: bool = False):
     target = target or FakeTarget()
     target.prompt_len = len(prompt)
     draft = draft if draft is not None else FakeDraft()
     orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
+    orch.shared_cores = shared_cores  # what orchestrator_for sets for local services
     req = GenerationRequest(list(prompt), max_new, SamplingParams(), [], mode, k,
                             prompt_lookup=False, branches=branches)
     return asyncio.run(orch.generate(req))
@@ -191,13 +192,8 @@ def test_sequential_rounds_prefill_the_draft_beside_the_targets_prefill(shared):
     """spec's first round verifies no block: the draft prefills the prompt (a 1-token call)
     while the target prefills it, and the next round's draft call goes after that one; where
     the draft shares the target's cores, its prefill waits for the target's first token."""
-    target, draft = FakeTarget(), FakeDraft(wrong_every=5)
-    target.prompt_len = 3
-    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
-    orch.shared_cores = shared
-    req = GenerationRequest([5, 11, 23], 20, SamplingParams(), [], "spec", 3,
-                            prompt_lookup=False)
-    result = asyncio.run(orch.generate(req))
+    draft = FakeDraft(wrong_every=5)
+    result = generate("spec", 3, draft=draft, max_new=20, shared_cores=shared)
     assert result.token_ids == target_text([5, 11, 23], 20)
     calls = result.stats.calls
     first_verify = next(c for c in calls if c.service == "target")

@@ -345,10 +345,10 @@ class LlamaEngine:
             emb = torch.cat((angles, angles), dim=-1)
             ropes.append((emb.cos().to(self.dtype)[:, None, :],
                           emb.sin().to(self.dtype)[:, None, :]))
+        offsets = [0]
+        for t in sizes:
+            offsets.append(offsets[-1] + t)
         if self.native is not None:  # (it masks and windows each session's keys itself)
-            offsets = [0]
-            for t in sizes:
-                offsets.append(offsets[-1] + t)
             return _Pass(lengths, sizes, offsets, flat, ropes, {}, native_ropes)
         spans = {}
         for window in self.windows:  # None: full causal
@@ -365,9 +365,6 @@ class LlamaEngine:
                     mask &= k_pos > q_pos - window  # transformers' sliding_window_overlay
                 per.append((start, mask))
             spans[window] = per
-        offsets = [0]
-        for t in sizes:
-            offsets.append(offsets[-1] + t)
         return _Pass(lengths, sizes, offsets, flat, ropes, spans, [])
 
     def _block(self, x: torch.Tensor, li: int, layer: dict, caches: Sequence[KVCache],
