@@ -25,7 +25,7 @@ SPECDEC_SYSTEMS = ("specdec-target-only", "specdec-spec", "specdec-pipelined",
                    "specdec-pipelined-plain", "specdec-ngram")
 # Drafted by the target's own int8 copy (draft "int8:<target>") instead of --draft: run when
 # named in --systems (a second target-sized service).
-INT8_SYSTEMS = ("specdec-spec-int8", "specdec-pipelined-int8")
+INT8_SYSTEMS = ("specdec-spec-int8", "specdec-pipelined-int8", "specdec-pipelined-int8-plain")
 # system -> (orchestrator, mode, speculation cache); "-plain": pipelining's single guess only
 SPECDEC_RUNS = {
     "specdec-target-only": ("target", "target-only", True),
@@ -35,6 +35,7 @@ SPECDEC_RUNS = {
     "specdec-ngram": ("ngram", "pipelined", True),
     "specdec-spec-int8": ("int8", "spec", True),
     "specdec-pipelined-int8": ("int8", "pipelined", True),
+    "specdec-pipelined-int8-plain": ("int8", "pipelined", False),
 }
 DEFAULT_SYSTEMS = HF_SYSTEMS + SPECDEC_SYSTEMS
 ALL_SYSTEMS = DEFAULT_SYSTEMS + INT8_SYSTEMS

@@ -291,6 +291,10 @@ class KController:
         self.branching = False
         self.cache_hit = 0.5
         self.width = 1
+        # The draft's single guess behind a verify (plain pipelining, or ``drafts_guess``):
+        # the verdicts it held against what the acceptance predicted for them (decayed sums;
+        # their ratio corrects the prediction where acceptance is not geometric).
+        self.guess_held = self.guess_predicted = 2.0
 
     @property
     def acceptance(self) -> float:
@@ -310,6 +314,19 @@ class KController:
         """Record a pipelined round's verdict: did the speculation cache hold its branch?"""
         self.cache_hit = self.decay * self.cache_hit + (1.0 - self.decay) * float(hit)
 
+    def observe_guess(self, k: int, held: bool) -> None:
+        """Record a verdict of a block of k against the draft's single guess behind it: did
+        it keep the whole block and was the guess the target's token? (Drafted, or, under
+        the cache, its first branch for the whole block.)"""
+        d = self.decay
+        self.guess_held = d * self.guess_held + float(held)
+        self.guess_predicted = d * self.guess_predicted + self.acceptance ** (k + 1)
+
+    def guess_hit(self, k: int, a: float) -> float:
+        """The share of verdicts of a block of k that the single guess holds: a^(k+1), times
+        what the guesses held against that prediction."""
+        return min(1.0, a ** (k + 1) * self.guess_held / max(self.guess_predicted, 1e-9))
+
     def waits_for_draft(self) -> bool:
         """Whether a round may wait for the draft (False: a pipelined round with the
         speculation cache while the target batches other sessions, adaptive k).
@@ -327,11 +344,12 @@ class KController:
             (self.running is not None and self.running() > 1)
         return not (self.pipelined and self.branching and self.fixed_k is None and loaded)
 
-    def miss_rate(self, k: int, a: float, now: bool = False) -> float:
+    def miss_rate(self, k: int, a: float, now: bool = False, guess: bool = False) -> float:
         """The share of rounds of k whose block is drafted after the last verdict (between
         two verify calls), not behind the verify pass: every sequential round; pipelined,
-        the verdicts the speculation cache had no branch for, or without the cache those
-        that did not keep the whole block and the draft's guess of the target's token.
+        the verdicts the speculation cache had no branch for, or without the cache (or
+        ``guess``: drafting only the single guess behind this round, see ``drafts_guess``)
+        those that did not keep the whole block and the draft's guess of the target's token.
         ``now``: this round's block is drafted after the verdict (a pipelined miss): 1.
         Where rounds do not wait for the draft (``waits_for_draft``) no block is: 0 (a
         miss is a round of no block instead, see ``rate``)."""
@@ -339,17 +357,17 @@ class KController:
             return 0.0
         if now or not self.pipelined:
             return 1.0
-        if self.branching:
+        if self.branching and not guess:
             return 1.0 - self.cache_hit
-        return 1.0 - a ** (k + 1)
+        return 1.0 - self.guess_hit(k, a)
 
-    def _behind_ms(self, k: int) -> float:
+    def _behind_ms(self, k: int, guess: bool = False) -> float:
         """The draft's call behind a verify pass of k: branches, or the block past the guess."""
-        if self.branching:
+        if self.branching and not guess:
             return self.costs.branch_call_ms(k, self.width, k)
         return self.costs.draft_ms(k) + self.costs.draft_step_ms
 
-    def round_ms(self, k: int, a: float, now: bool = False) -> float:
+    def round_ms(self, k: int, a: float, now: bool = False, guess: bool = False) -> float:
         verify = self.costs.verify_ms(k)
         if k == 0:
             return verify
@@ -358,11 +376,11 @@ class KController:
                 (1.0 - self.cache_hit) * self.costs.verify_ms(0)
         draft = self.costs.draft_ms(k)
         sequential = draft + self.costs.verify_ms(k, drafted=True)  # a miss: draft, then verify
-        miss = self.miss_rate(k, a, now)
+        miss = self.miss_rate(k, a, now, guess)
         if miss >= 1.0:
             return sequential
         # a hit costs the longer of the verify and the draft behind it
-        return (1.0 - miss) * max(verify, self._behind_ms(k)) + miss * sequential
+        return (1.0 - miss) * max(verify, self._behind_ms(k, guess)) + miss * sequential
 
     def round_tokens(self, k: int, a: float) -> float:
         """Expected tokens of a round of k: E[k], or where rounds do not wait for the draft,
@@ -381,7 +399,32 @@ class KController:
         """Expected tokens per millisecond at block length k (``now``: of a round whose
         block is drafted after the verdict, as ``miss_rate``)."""
         a = self.acceptance if a is None else a
-        return self.round_tokens(k, a) / self.round_ms(k, a, now)
+        rate = self.round_tokens(k, a) / self.round_ms(k, a, now)
+        if self._may_guess(k, now):
+            rate = max(rate, self.round_tokens(k, a) / self.round_ms(k, a, now, guess=True))
+        return rate
+
+    def _may_guess(self, k: int, now: bool) -> bool:
+        return bool(k) and self.pipelined and self.branching and not now and \
+            self.waits_for_draft()
+
+    def drafts_guess(self, k: int, a: float | None = None) -> bool:
+        """Whether, behind a verify of k, the draft should draft only its guess of the
+        target's token and the block past it (plain pipelining's one row), not the
+        speculation cache's k + 1 verdict rows (times the width), though the cache is on.
+
+        The cache holds more verdicts, but every drafted token costs a pass over all its
+        rows: where the draft's pass grows with its rows (a draft whose linear layers are
+        compute-bound, as the int8 copy of the target on a CPU: 12 ms over one row, 29 over
+        five) and its acceptance is high, the single guess hits nearly as often (a^(k+1))
+        for a call that still hides behind the verify pass. Chosen by the higher predicted
+        rate, as k is; only where rounds wait for the draft (alone), since a missed guess
+        drafts its block after the verdict."""
+        a = self.acceptance if a is None else a
+        if not self._may_guess(k, False):
+            return False
+        tokens = self.round_tokens(k, a)
+        return tokens / self.round_ms(k, a, guess=True) > tokens / self.round_ms(k, a)
 
     def best_k(self, a: float | None = None, now: bool = False) -> int:
         """The block length of the highest rate. ``now``: for a round whose block is drafted

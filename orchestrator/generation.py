@@ -107,6 +107,8 @@ class GenerationStats:
     pipeline_hits: int = 0  # rounds whose block was drafted during the previous verify
     pipeline_misses: int = 0  # verdicts the pipelined draft had no block for
     branches_drafted: int = 0  # speculation-cache branches drafted (hits included)
+    cache_hits: int = 0  # pipeline hits that took a speculation-cache branch
+    guess_calls: int = 0  # calls behind a verify that drafted the single guess, cache on or off
     late_branch_calls: int = 0  # branch calls dropped unanswered at their verdict (under load)
     re_prefills: int = 0
     tokens_without_draft: int = 0  # emitted while the draft was down or failing
@@ -235,8 +237,8 @@ class GenerationResult:
             pipeline_hits=s.pipeline_hits,
             pipeline_misses=s.pipeline_misses,
             cache_branches=s.branches_drafted,
-            wasted_branches=max(0, s.branches_drafted - (s.pipeline_hits if s.branches_drafted
-                                                         else 0)),
+            wasted_branches=s.branches_drafted - s.cache_hits,
+            guess_calls=s.guess_calls,
             late_branch_calls=s.late_branch_calls,
             re_prefills=s.re_prefills,
             tokens_without_draft=s.tokens_without_draft,

@@ -453,14 +453,17 @@ class _Pipeline:
         if depth <= 0:
             return
         k = len(block.tokens)
-        self.branching = self.widths is not None and k + 1 <= MAX_BRANCHES
+        k_ctl = self.drafting.k_ctl
+        self.branching = self.widths is not None and k + 1 <= MAX_BRANCHES and \
+            not k_ctl.drafts_guess(k)
         if not self.branching:  # plain pipelining: the guess and the block past it
+            self.drafting.stats.guess_calls += 1
             self.task = asyncio.create_task(
                 self.drafting.draft_block(history, block.tokens, depth + 1, "pipelined"))
             return
-        waits = self.drafting.k_ctl.waits_for_draft()
+        waits = k_ctl.waits_for_draft()
         width = self.widths.choose(k, depth, 1.0 if waits else LATE_SHARE)
-        self.drafting.k_ctl.width = width
+        k_ctl.width = width
         self.shape = (k, width, depth)
         self.started = time.perf_counter()
         self.task = asyncio.create_task(
@@ -479,7 +482,10 @@ class _Pipeline:
         else:
             task.cancel()
             ahead = None
-        if ahead is None or not ahead.tokens or ahead.tokens[0] != rnd.next_token:
+        held = ahead is not None and bool(ahead.tokens) and ahead.tokens[0] == rnd.next_token
+        if ahead is not None or not rnd.full_accept:  # (None after a full accept: it failed)
+            self.drafting.k_ctl.observe_guess(len(rnd.block.tokens), held)
+        if not held:
             stats.pipeline_misses += 1
             return None
         stats.pipeline_hits += 1
@@ -507,11 +513,18 @@ class _Pipeline:
         hit = next((b for b in branches
                     if b.accepted == rnd.accepted and b.token == rnd.next_token), None)
         if called is not None:
-            self.drafting.k_ctl.observe_cache(hit is not None)
+            k_ctl.observe_cache(hit is not None)
+            # the single guess would have held it: the whole block kept and the first (the
+            # draft's likeliest) candidate after it the target's token
+            k = len(rnd.block.tokens)
+            guess = next((b for b in branches if b.accepted == k), None)
+            k_ctl.observe_guess(k, guess is not None and rnd.accepted == k and
+                                guess.token == rnd.next_token)
         if hit is None or not hit.tokens:
             stats.pipeline_misses += 1
             return None
         stats.pipeline_hits += 1
+        stats.cache_hits += 1
         return Block(list(hit.tokens), source="pipelined")
 
     def cancel(self) -> None:

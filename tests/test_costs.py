@@ -423,3 +423,55 @@ def test_a_pipelined_miss_drafts_its_block_as_a_sequential_round_would():
         costs.verify_ms(2, drafted=True) == 70.0
     sequential = KController(CPU_LINE, [4.0], costs=costs)  # every round is drafted now
     assert sequential.best_k(0.45) == sequential.best_k(0.45, now=True) == 1
+
+
+def test_behind_a_verify_a_costly_row_draft_of_high_acceptance_drafts_its_single_guess():
+    """The speculation cache drafts over k + 1 verdict rows at every step. Where the draft's
+    pass grows with its rows (compute-bound, as the int8 copy of the target on one core: 12 ms
+    over one row, 23 over four) and its acceptance is high, the single guess (a^(k+1) of the
+    verdicts) in a call that hides behind the verify pays more: at k = 3 the cache's call
+    takes 94 ms behind a 65 ms verify, the guess 50. A draft of cheap rows and low acceptance
+    keeps the cache (its guess holds 4% of the verdicts, the cache 60%)."""
+    int8 = [12.0, 16.3, 18.2, 23.0, 28.7, 33.0, 37.0, 41.2]
+    costs = Costs.calibrated(CPU_LINE, int8)
+    costs.draft_call_ms = 2.0
+    ctl = KController(CPU_LINE, [12.0], pipelined=True, costs=costs)
+    ctl.branching, ctl.cache_hit = True, 0.93
+    assert ctl._behind_ms(3) == 94.0 and ctl._behind_ms(3, guess=True) == 50.0
+    assert ctl.drafts_guess(3, 0.94)
+    k = ctl.best_k(0.94)
+    assert k >= 2 and ctl.drafts_guess(k, 0.94)
+    guess_rate = adaptive.expected_tokens(0.94, k) / ctl.round_ms(k, 0.94, guess=True)
+    assert ctl.rate(k, 0.94) == guess_rate > adaptive.expected_tokens(0.94, k) / ctl.round_ms(
+        k, 0.94)
+    # a draft miss (drafted now) and rounds under load (no waiting for the draft): no guess
+    assert not ctl.drafts_guess(0, 0.94)
+    ctl.costs.target_batch = 4.0
+    assert not ctl.waits_for_draft() and not ctl.drafts_guess(3, 0.94)
+
+    shipped = Costs.calibrated(CPU_LINE, [4.0 + 0.17 * m for m in range(16)])
+    shipped.draft_call_ms = 2.0
+    ctl = KController(CPU_LINE, [4.0], pipelined=True, costs=shipped)
+    ctl.branching, ctl.cache_hit = True, 0.6
+    k = ctl.best_k(0.35)
+    assert k >= 1 and not ctl.drafts_guess(k, 0.35)
+
+
+def test_the_guess_is_costed_at_the_verdicts_it_held_not_only_at_a_geometric_guess():
+    """Acceptance is not geometric everywhere (a draft that errs at fixed positions keeps
+    two of three tokens, never the whole block): where guesses stop holding the verdicts
+    that a^(k+1) promised, the prediction follows what they held, and the cache comes back;
+    guesses that hold bring the guess back."""
+    int8 = [12.0, 16.3, 18.2, 23.0, 28.7, 33.0, 37.0, 41.2]
+    costs = Costs.calibrated(CPU_LINE, int8)
+    costs.draft_call_ms = 2.0
+    ctl = KController(CPU_LINE, [12.0], pipelined=True, costs=costs, prior_a=0.94,
+                      prior_weight=1000.0)
+    ctl.branching, ctl.cache_hit = True, 0.93
+    assert ctl.guess_hit(3, 0.94) == pytest.approx(0.94 ** 4) and ctl.drafts_guess(3)
+    for _ in range(40):
+        ctl.observe_guess(3, False)
+    assert ctl.guess_hit(3, 0.94) < 0.1 and not ctl.drafts_guess(3)
+    for _ in range(40):
+        ctl.observe_guess(3, True)
+    assert ctl.guess_hit(3, 0.94) > 0.7 and ctl.drafts_guess(3)

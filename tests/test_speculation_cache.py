@@ -70,7 +70,7 @@ def test_pipelined_text_with_the_cache_is_the_targets(tiny_services, sampling):
     for r in results:
         s = r.summary()
         assert s["cache_branches"] == r.stats.branches_drafted
-        assert s["wasted_branches"] == r.stats.branches_drafted - r.stats.pipeline_hits
+        assert s["wasted_branches"] == r.stats.branches_drafted - r.stats.cache_hits
     stats = [r.stats for r in results]
     hits = sum(s.pipeline_hits for s in stats)
     misses = sum(s.pipeline_misses for s in stats)

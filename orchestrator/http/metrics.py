@@ -63,6 +63,10 @@ class Metrics:
         self.cache_branches = counter(
             "speculation_cache_branches", "Branches the speculation cache drafted (a hit "
             "uses one; the others are wasted draft work).")
+        self.guess_calls = counter(
+            "pipeline_guess_calls", "Draft calls behind a verify that drafted the single guess "
+            "of the target's token and the block past it (plain pipelining, or the cost model's "
+            "choice over the speculation cache's rows).")
         self.late_branch_calls = counter(
             "speculation_cache_late_calls", "Branch calls dropped unanswered at their verdict "
             "(under load a round does not wait for the draft; each is also a pipeline miss).")
@@ -118,6 +122,7 @@ class Metrics:
         self._l(self.pipeline_misses).inc(s.pipeline_misses)
         self._l(self.cache_branches).inc(s.branches_drafted)
         self._l(self.late_branch_calls).inc(s.late_branch_calls)
+        self._l(self.guess_calls).inc(s.guess_calls)
         self._l(self.crowded_rounds).inc(s.crowded_rounds)
         n_out = len(result.token_ids)
         self._l(self.prompt_tokens).inc(result.prompt_tokens)

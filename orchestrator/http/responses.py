@@ -21,7 +21,7 @@ def specdec_stats(result) -> dict:
                              "acceptance_rate", "mean_tokens_per_round", "k_mean", "ttft_s",
                              "wall_s", "tokens_per_s", "overlap_efficiency", "pipeline_hits",
                              "pipeline_misses", "cache_branches", "wasted_branches",
-                             "re_prefills", "crowded_rounds", "accepted_per_position")}
+                             "guess_calls", "re_prefills", "crowded_rounds", "accepted_per_position")}
     out["num_drafts"] = result.stats.num_drafts
     return out
 
