@@ -390,6 +390,9 @@ def test_concurrent_pipelined_generations_never_wait_for_the_draft(monkeypatch):
             return await super().propose_branches(*args, **kwargs)
 
     target, draft = FakeTarget(), SlowAtTimes(wrong_every=3)
+    # a pass that grows with its rows: narrow branch calls, so that only the slow ones are
+    # late on a busy machine
+    draft.info = pb.ModelInfo(forward_ms=[1.0])
     target.prompt_len = 3
     orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
     reqs = [GenerationRequest([5, 11, 23], 60, SamplingParams(), [], "pipelined", None,
