@@ -42,13 +42,6 @@ ALL_SYSTEMS = DEFAULT_SYSTEMS + INT8_SYSTEMS
 BASELINE = "hf"
 
 
-# In the split topology the orchestrator (this process) runs on the draft's cores. Deployed it
-# has hardware of its own, so the draft's work never delays its answer to a verdict; here the
-# draft services run at a lower priority, so that the orchestrator takes the core when it
-# wakes (without it, a branch call in progress held the core while the verdict waited).
-SPLIT_DRAFT_NICE = 10
-
-
 def load_prompts(spec: str) -> list[str]:
     """A prompt set by name (default, grounded) or a file (.jsonl with "prompt", or .txt)."""
     path = PROMPT_SETS.get(spec, pathlib.Path(spec))
@@ -110,9 +103,7 @@ class SpecdecSystems:
         self.proxies = []
         try:
             for name, (role, a) in wanted.items():  # one at a time: see LocalServices
-                self.processes[name] = ServiceProcess(
-                    role, a, cores=cores.get(role),
-                    nice=SPLIT_DRAFT_NICE if cores and role == "draft" else 0)
+                self.processes[name] = ServiceProcess(role, a, cores=cores.get(role))
                 self.processes[name].wait_port()
         except BaseException:
             for p in self.processes.values():
