@@ -232,14 +232,20 @@ def test_the_length_limit_holds_inside_an_accepted_block():
     assert result.finish_reason == "length"
 
 
-def test_the_speculation_cache_serves_the_verdicts_it_drafted_for():
-    target, draft = FakeTarget(), FakeDraft(wrong_every=3)
-    result = generate("pipelined", 3, max_new=80, target=target, draft=draft)
-    s = result.stats
+def pipelined_exactly(k: int, wrong_every: int):
+    """A pipelined generation of 80 tokens over a fake draft that errs every ``wrong_every``
+    positions, checked: the target's text, and every verified block the draft's continuation
+    of the committed history (what it drafted after that very verdict)."""
+    target, draft = FakeTarget(), FakeDraft(wrong_every=wrong_every)
+    result = generate("pipelined", k, max_new=80, target=target, draft=draft)
     assert result.token_ids == target_text([5, 11, 23], 80)
-    # every verified block is the draft's continuation of the committed history
     for history, block in target.verified:
         assert block == draft.continuation(history, len(block))
+    return result
+
+
+def test_the_speculation_cache_serves_the_verdicts_it_drafted_for():
+    s = pipelined_exactly(3, wrong_every=3).stats
     # the fake draft's second choice is the target's token at each of its mistakes, so the
     # cache (width >= 1 per acceptance length) holds nearly every verdict
     assert s.branches_drafted > s.pipeline_hits > 2 * s.pipeline_misses
@@ -260,12 +266,8 @@ def test_rounds_that_draft_the_single_guess_and_rounds_that_draft_the_cache_mix(
         return bool(k) and len(calls) % 2 == 0
 
     monkeypatch.setattr(adaptive.KController, "drafts_guess", alternate)
-    target, draft = FakeTarget(), FakeDraft(wrong_every=13)
-    result = generate("pipelined", 2, max_new=80, target=target, draft=draft)
+    result = pipelined_exactly(2, wrong_every=13)
     s = result.stats
-    assert result.token_ids == target_text([5, 11, 23], 80)
-    for history, block in target.verified:
-        assert block == draft.continuation(history, len(block))
     assert s.guess_calls > 0 and s.branches_drafted > 0
     assert 0 < s.cache_hits < s.pipeline_hits  # the rest were the guess's hits
     assert result.summary()["wasted_branches"] == s.branches_drafted - s.cache_hits
