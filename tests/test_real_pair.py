@@ -103,3 +103,46 @@ def test_seeded_sampling_is_the_same_in_every_mode_k_and_without_the_draft(tmp_p
     other_seed = specdec_json(tmp_path, "--mode", "spec", "--temperature", "0.8", "--top-p",
                               "0.95", "--seed", "8")
     assert [r["token_ids"] for r in other_seed] != [r["token_ids"] for r in ref]
+
+
+def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped_draft_the_cache():
+    """Split cores (target on core 1, drafts on core 0, as `specdec bench --split`), pipelined
+    greedy with the speculation cache on: the text is the target's with either draft, and the
+    cost model drafts the int8 copy's single guess behind the verify passes (its pass grows with
+    its rows, its acceptance is high) and the shipped draft's cache (cheap rows, low
+    acceptance); a cost model that ignored the draft's costs would draft one kind for both."""
+    import os
+
+    from bench.harness import SpecdecSystems
+    from orchestrator.generation import GenerationRequest
+    from specdec.models.hub import load_tokenizer
+    from specdec.models.tokenizer import encode_prompt
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    systems = ["specdec-target-only", "specdec-pipelined", "specdec-pipelined-int8"]
+    spd = SpecdecSystems("default", "default-draft", 0, systems,
+                         cores={"target": [b], "draft": [a]})
+    tok = load_tokenizer("default")
+    try:
+        spd.connect()
+        stats = {}
+        for prompt in CHAT_PROMPTS[:2]:
+            ids = encode_prompt(tok, prompt, None)
+            ref = spd.run("specdec-target-only", ids, MAX_NEW, None).token_ids
+            for name in ("draft", "int8"):
+                orch = spd.orchestrators[(name, 0.0)]
+                result = spd.loop.run_until_complete(orch.generate(
+                    GenerationRequest(ids, MAX_NEW, mode="pipelined")))
+                assert result.token_ids == ref, (name, prompt)
+                s = stats.setdefault(name, [0, 0])
+                s[0] += result.stats.guess_calls
+                s[1] += sum(c.service == "draft" and c.branches > 0 for c in result.stats.calls)
+    finally:
+        os.sched_setaffinity(0, range(os.cpu_count()))
+        spd.close()
+    # calls behind a verify: [guess calls, branch calls]; a round of no block (the first,
+    # and a miss whose block did not pay to draft now) drafts the cache with either draft
+    assert stats["int8"][0] > 2 * stats["int8"][1]  # most of them the guess
+    assert stats["draft"][1] > 5 * max(stats["draft"][0], 1)  # nearly every one the cache
