@@ -399,10 +399,10 @@ class KController:
         """Expected tokens per millisecond at block length k (``now``: of a round whose
         block is drafted after the verdict, as ``miss_rate``)."""
         a = self.acceptance if a is None else a
-        rate = self.round_tokens(k, a) / self.round_ms(k, a, now)
-        if self._may_guess(k, now):
-            rate = max(rate, self.round_tokens(k, a) / self.round_ms(k, a, now, guess=True))
-        return rate
+        ms = self.round_ms(k, a, now)
+        if self._may_guess(k, now):  # the cheaper of the cache and the guess behind it
+            ms = min(ms, self.round_ms(k, a, now, guess=True))
+        return self.round_tokens(k, a) / ms
 
     def _may_guess(self, k: int, now: bool) -> bool:
         return bool(k) and self.pipelined and self.branching and not now and \
@@ -421,10 +421,9 @@ class KController:
         rate, as k is; only where rounds wait for the draft (alone), since a missed guess
         drafts its block after the verdict."""
         a = self.acceptance if a is None else a
-        if not self._may_guess(k, False):
-            return False
-        tokens = self.round_tokens(k, a)
-        return tokens / self.round_ms(k, a, guess=True) > tokens / self.round_ms(k, a)
+        # (the same tokens either way: the higher rate is the shorter round)
+        return self._may_guess(k, False) and \
+            self.round_ms(k, a, guess=True) < self.round_ms(k, a)
 
     def best_k(self, a: float | None = None, now: bool = False) -> int:
         """The block length of the highest rate. ``now``: for a round whose block is drafted

@@ -425,6 +425,20 @@ def test_a_pipelined_miss_drafts_its_block_as_a_sequential_round_would():
     assert sequential.best_k(0.45) == sequential.best_k(0.45, now=True) == 1
 
 
+# D(m) of the target's int8 copy on one core: its pass grows with its rows (compute-bound)
+INT8_DRAFT = [12.0, 16.3, 18.2, 23.0, 28.7, 33.0, 37.0, 41.2]
+
+
+def _int8_pipelined(**kw) -> KController:
+    """A pipelined controller over the int8 copy's costs (a 2 ms draft call), the cache on and
+    holding 93% of the verdicts."""
+    costs = Costs.calibrated(CPU_LINE, INT8_DRAFT)
+    costs.draft_call_ms = 2.0
+    ctl = KController(CPU_LINE, [12.0], pipelined=True, costs=costs, **kw)
+    ctl.branching, ctl.cache_hit = True, 0.93
+    return ctl
+
+
 def test_behind_a_verify_a_costly_row_draft_of_high_acceptance_drafts_its_single_guess():
     """The speculation cache drafts over k + 1 verdict rows at every step. Where the draft's
     pass grows with its rows (compute-bound, as the int8 copy of the target on one core: 12 ms
@@ -432,11 +446,7 @@ def test_behind_a_verify_a_costly_row_draft_of_high_acceptance_drafts_its_single
     verdicts) in a call that hides behind the verify pays more: at k = 3 the cache's call
     takes 94 ms behind a 65 ms verify, the guess 50. A draft of cheap rows and low acceptance
     keeps the cache (its guess holds 4% of the verdicts, the cache 60%)."""
-    int8 = [12.0, 16.3, 18.2, 23.0, 28.7, 33.0, 37.0, 41.2]
-    costs = Costs.calibrated(CPU_LINE, int8)
-    costs.draft_call_ms = 2.0
-    ctl = KController(CPU_LINE, [12.0], pipelined=True, costs=costs)
-    ctl.branching, ctl.cache_hit = True, 0.93
+    ctl = _int8_pipelined()
     assert ctl._behind_ms(3) == 94.0 and ctl._behind_ms(3, guess=True) == 50.0
     assert ctl.drafts_guess(3, 0.94)
     k = ctl.best_k(0.94)
@@ -462,12 +472,7 @@ def test_the_guess_is_costed_at_the_verdicts_it_held_not_only_at_a_geometric_gue
     two of three tokens, never the whole block): where guesses stop holding the verdicts
     that a^(k+1) promised, the prediction follows what they held, and the cache comes back;
     guesses that hold bring the guess back."""
-    int8 = [12.0, 16.3, 18.2, 23.0, 28.7, 33.0, 37.0, 41.2]
-    costs = Costs.calibrated(CPU_LINE, int8)
-    costs.draft_call_ms = 2.0
-    ctl = KController(CPU_LINE, [12.0], pipelined=True, costs=costs, prior_a=0.94,
-                      prior_weight=1000.0)
-    ctl.branching, ctl.cache_hit = True, 0.93
+    ctl = _int8_pipelined(prior_a=0.94, prior_weight=1000.0)
     assert ctl.guess_hit(3, 0.94) == pytest.approx(0.94 ** 4) and ctl.drafts_guess(3)
     for _ in range(40):
         ctl.observe_guess(3, False)
