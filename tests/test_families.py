@@ -241,6 +241,38 @@ def test_the_native_layer_ops_compute_what_torch_ops_and_transformers_do(family_
         assert max_diff(x, y)[1] < TOL, name
 
 
+@pytest.mark.skipif(not smallm_available(torch.device("cpu")), reason="no native library here")
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("name", NATIVE_FAMILIES)
+def test_the_whole_layer_stack_in_one_native_call_is_the_per_layer_loop_bit_for_bit(
+        family_dirs, name, quantize):
+    """With every linear layer on smallm (fp32 or int8), a pass runs all the layers in one
+    ``sd_layers`` call: the same ops in the same order as the per-layer Python loop, so the
+    logits are equal bit for bit (biases, sliding windows, a ragged batch of a prefill, a
+    verify block and a step, two threads). Where a layer's kernel is a library's, the loop
+    runs."""
+    model, _ = load_hf_model(family_dirs(name))
+    engine = LlamaEngine.from_hf(model, kernels="smallm", quantize=quantize)
+    assert engine._whole_stack(1) and engine._whole_stack(5), name
+    ids = torch.arange(SEQ) * 37 % 5000 + 100
+    threads = torch.get_num_threads()
+    out = []
+    try:
+        torch.set_num_threads(2)
+        for whole in (True, False):
+            engine.whole_stack = whole
+            a, b, c = engine.new_cache(), engine.new_cache(), engine.new_cache()
+            first = engine.forward([a, b], [ids[:20], ids[5:17]], [2, 1])
+            out.append(first + engine.forward([a, b, c], [ids[20:25], ids[17:18], ids[:30]],
+                                              [5, 1, 3]))
+    finally:
+        torch.set_num_threads(threads)
+    for x, y in zip(*out):
+        assert torch.equal(x, y), name
+    if quantize is None:
+        assert not LlamaEngine.from_hf(model, kernels="mkl")._whole_stack(1)
+
+
 def engine_vs_transformers(engine: LlamaEngine, model) -> tuple[float, float]:
     """Max (absolute, relative) logit difference from transformers' forward over a prefill,
     single steps, a verify block and a rollback into the steps followed by a block."""

@@ -132,6 +132,9 @@ def smallm_library() -> tuple[ctypes.CDLL, int] | None:
     lib.sd_silu_mul.argtypes = [ptr, ptr, i32, i32]
     for fn in (lib.sd_add_rms_norm, lib.sd_attend, lib.sd_silu_mul):
         fn.restype = None
+    lib.sd_layers.argtypes = [ptr, i32, i32, ptr, i32, f32, i32] + [ptr] * 8 + [f32] + \
+        [i32] * 5
+    lib.sd_layers.restype = i32
     panel = int(lib.sd_panel())
     if panel == 0:
         log.info("smallm kernel unavailable: this CPU has neither AVX-512 nor AVX2 + FMA")
