@@ -144,3 +144,36 @@ def test_rpc_floor_measures_both_call_kinds_at_each_wait():
     assert [r["wait_ms"] for r in rows] == [0, 5]
     for r in rows:
         assert r["stream_ms"] > 0 and r["unary_ms"] > 0
+
+
+def test_a_pipelined_round_under_contention_runs_each_side_at_its_rate_until_one_is_done():
+    """bench.contention's round model on crafted costs: without contention a pipelined round is
+    its longer side; two equal sides that each halve the other's speed gain nothing over running
+    one after the other; otherwise the side left over finishes alone at full speed."""
+    from bench.contention import bounds, pipelined_round_ms
+
+    assert pipelined_round_ms(40.0, 30.0, 1.0, 1.0) == 40.0
+    assert pipelined_round_ms(30.0, 30.0, 0.5, 0.5) == 60.0
+    # the verify (30 alone) ends at 40; by then the draft did 20 of its 40, the rest alone
+    assert pipelined_round_ms(40.0, 30.0, 0.5, 0.75) == pytest.approx(60.0)
+    # the draft (12 alone) ends at 24; the verify did 18 of its 30
+    assert pipelined_round_ms(12.0, 30.0, 0.5, 0.75) == pytest.approx(36.0)
+    measured = {"draft_alone": 10.0, "draft_with_target": 20.0,
+                "target_alone": {1: 25.0, 3: 30.0}, "target_with_draft": {1: 50.0, 3: 60.0}}
+    (row,) = bounds(measured)  # k = 0 is no round to overlap
+    assert row["k"] == 2 and row["sequential_ms"] == 50.0
+    assert row["pipelined_ms"] == pytest.approx(50.0) and row["bound"] == pytest.approx(1.0)
+    assert row["bound_separate"] == pytest.approx(50.0 / 30.0)
+
+
+def test_contention_times_each_model_alone_and_beside_the_other_on_split_cores(tiny_models):
+    """python -m bench.contention on the tiny pair, one core each: every probe timed alone and
+    with the other side running, and a bound per block length."""
+    from bench import contention
+
+    m = contention.main(["--target", tiny_models["target"], "--draft", tiny_models["draft"],
+                         "--split", "1:0", "--rows", "1,3", "--reps", "3"])
+    assert set(m["target_alone"]) == set(m["target_with_draft"]) == {1, 3}
+    assert all(v > 0 for v in [*m["target_alone"].values(), *m["target_with_draft"].values(),
+                               m["draft_alone"], m["draft_with_target"]])
+    assert [r["k"] for r in m["bounds"]] == [2]
