@@ -40,6 +40,8 @@ SPECDEC_RUNS = {
 DEFAULT_SYSTEMS = HF_SYSTEMS + SPECDEC_SYSTEMS
 ALL_SYSTEMS = DEFAULT_SYSTEMS + INT8_SYSTEMS
 BASELINE = "hf"
+# Split: the draft services' CPU priority below the orchestrator's on the cores they share
+DRAFT_NICE = 10
 
 
 def load_prompts(spec: str) -> list[str]:
@@ -103,7 +105,13 @@ class SpecdecSystems:
         self.proxies = []
         try:
             for name, (role, a) in wanted.items():  # one at a time: see LocalServices
-                self.processes[name] = ServiceProcess(role, a, cores=cores.get(role))
+                # Split, the orchestrator (this process) runs on the draft's cores: the draft
+                # yields them to it (deployed, they share no CPU; at equal priority a draft
+                # call's compute delayed the orchestrator's next verify sends, and sessions
+                # missed the target's batched pass).
+                self.processes[name] = ServiceProcess(
+                    role, a, cores=cores.get(role),
+                    nice=DRAFT_NICE if cores and role == "draft" else 0)
                 self.processes[name].wait_port()
         except BaseException:
             for p in self.processes.values():

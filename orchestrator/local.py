@@ -41,9 +41,10 @@ class ServiceProcess:
 
     def __init__(self, role: str, args: list[str], env: dict | None = None,
                  log_path: str | None = None, port: int = 0,
-                 cores: list[int] | None = None):
+                 cores: list[int] | None = None, nice: int = 0):
         """``cores``: run the service on these CPU cores only (taskset), e.g. to give draft
-        and target disjoint hardware on one machine."""
+        and target disjoint hardware on one machine. ``nice``: its CPU priority below this
+        process's (see SpecdecSystems in bench.harness)."""
         self.role = role
         self._tmp = tempfile.mkdtemp(prefix=f"specdec-{role}-")
         self.port_file = os.path.join(self._tmp, "port")
@@ -55,6 +56,8 @@ class ServiceProcess:
             if not shutil.which("taskset"):
                 raise RuntimeError("pinning a service to cores needs taskset (util-linux)")
             cmd = ["taskset", "-c", ",".join(map(str, cores)), *cmd]
+        if nice:
+            cmd = ["nice", "-n", str(nice), *cmd]
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT,

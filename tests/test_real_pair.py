@@ -113,7 +113,7 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
     acceptance); a cost model that ignored the draft's costs would draft one kind for both."""
     import os
 
-    from bench.harness import SpecdecSystems
+    from bench.harness import DRAFT_NICE, SpecdecSystems
     from orchestrator.generation import GenerationRequest
     from specdec.models.hub import load_tokenizer
     from specdec.models.tokenizer import encode_prompt
@@ -127,6 +127,11 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
                          cores={"target": [b], "draft": [a]})
     tok = load_tokenizer("default")
     try:
+        # the drafts yield the draft's core to the orchestrator (it runs there); the target not
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert {name: os.getpriority(os.PRIO_PROCESS, p.proc.pid) - ours
+                for name, p in spd.processes.items()} == {"target": 0, "draft": DRAFT_NICE,
+                                                          "int8": DRAFT_NICE}
         spd.connect()
         stats = {}
         for prompt in CHAT_PROMPTS[:3]:
