@@ -94,6 +94,7 @@ def cmd_bench(args) -> int:
     rtts = [float(x) for x in args.rtt_ms.split(",")]
     runs_of = [(s, None) if s in HF_SYSTEMS else (s, r) for s in systems
                for r in (rtts if s not in HF_SYSTEMS else [None])]
+    separation = _separation(args.target, args.draft, systems, cores) if cores else None
     print(f"starting services and loading HF models for {', '.join(systems)} ...", flush=True)
     hf = HFGenerate(args.target, args.draft if "hf-assisted" in systems else None,
                     args.hf_threads or (len(cores["target"]) if cores else 0),
@@ -122,6 +123,7 @@ def cmd_bench(args) -> int:
     names = [system_name(s, r) for s, r in runs_of]
     summary = report.summarize(runs, names, list(sets), target_ms)
     summary["split"] = cores
+    summary["separation"] = separation
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "specdec bench " + " ".join(
@@ -134,6 +136,8 @@ def cmd_bench(args) -> int:
     (out / "bench.json").write_text(json.dumps(
         {"summary": summary, "runs": [r.__dict__ for r in runs]}, indent=1))
     print(report.table(summary))
+    if separation is not None:
+        print(_separation_line(separation))
     for path in report.plots(runs, summary, out):
         print(f"wrote {path}")
     if args.json:
@@ -200,6 +204,31 @@ def _run_one(system, hf, spd, ids, max_new, k, hf_systems, rtt=None):
         tokens, wall = hf.run(system, ids, max_new)
         return Run(system=system, prompt_set="", prompt_index=-1, token_ids=tokens, wall_s=wall)
     return spd.run(system, ids, max_new, k, rtt=rtt)
+
+
+def _separation(target: str, draft: str, systems: list[str], cores: dict) -> dict | None:
+    """``--split``: how separate the cores are before the runs (bench.contention), with the
+    int8 copy where an -int8 system runs, else the draft (none for the n-gram drafter)."""
+    from bench import contention
+    from bench.harness import INT8_SYSTEMS
+    from specdec.config import INT8
+
+    spec = f"{INT8}:{target}" if set(INT8_SYSTEMS) & set(systems) else draft
+    if spec == "ngram":
+        return None
+    print(f"timing {target} and {spec} alone and side by side on the split cores ...", flush=True)
+    m = contention.measure(target, spec, cores, [1, 5], 9)
+    return dict(m, draft=spec)
+
+
+def _separation_line(m: dict) -> str:
+    t = ", ".join(f"{n} tokens {a:.1f} -> {m['target_with_draft'][n]:.1f} ms "
+                  f"({m['target_with_draft'][n] / a:.2f}x)" for n, a in m["target_alone"].items())
+    d = m["draft_with_target"] / m["draft_alone"]
+    return (f"split cores' separation before the runs (python -m bench.contention): the "
+            f"target's forward alone -> beside {m['draft']}'s steps: {t}; its step "
+            f"{m['draft_alone']:.1f} -> {m['draft_with_target']:.1f} ms ({d:.2f}x) beside "
+            f"the target's passes")
 
 
 def split_cores(spec: str, n_cores: int) -> dict[str, list[int]]:

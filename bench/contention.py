@@ -49,7 +49,7 @@ def _worker(spec: str, cores: list[int], conn, loop_rows: int, stop) -> None:
     engine = load_engine(spec, torch.device("cpu"))[0]
     timer = engine.forward_timer()
     timer(1)  # warm
-    conn.send("ready")
+    conn.send(("ready", sorted(os.sched_getaffinity(0))))
     while True:
         msg = conn.recv()
         if msg[0] == "time":
@@ -71,9 +71,12 @@ class _Side:
                                 daemon=True)
         self.proc.start()
 
-    def ready(self) -> None:
-        if self.conn.recv() != "ready":
+    def ready(self) -> list[int]:
+        """The cores the worker runs on, once its model is loaded."""
+        msg = self.conn.recv()
+        if msg[0] != "ready":
             raise RuntimeError("worker failed to start")
+        return msg[1]
 
     def time(self, rows: int, reps: int) -> float:
         self.conn.send(("time", rows, reps))
@@ -110,8 +113,7 @@ def measure(target: str, draft: str, cores: dict[str, list[int]], rows: list[int
     d = _Side(ctx, resolve_draft_spec(draft, target), cores["draft"], 1)
     out = {"target_alone": {}, "target_with_draft": {}, "verify_rows": verify_rows}
     try:
-        t.ready()
-        d.ready()
+        out["cores"] = {"target": t.ready(), "draft": d.ready()}
         with tqdm(total=2 * len(rows) + 2, desc="contention", unit="probe") as bar:
             for m in rows:
                 out["target_alone"][m] = t.time(m, reps)

@@ -38,6 +38,27 @@ def test_bench_prints_the_table_writes_json_and_plots_and_checks_every_system(tm
         assert (out / png).stat().st_size > 1000
 
 
+def test_bench_split_times_the_cores_separation_then_runs_each_service_on_its_own(tmp_path,
+                                                                                   tiny_models):
+    """`specdec bench --split 1:0` on the tiny pair: the cores' separation (the target's forward
+    and the draft's step, alone and side by side) before the runs, in the output and the JSON,
+    then the runs, every text the target's."""
+    out = tmp_path / "out"
+    stdout = _cli("bench", "--prompts", "default", "--limit", "1", "--target",
+                  tiny_models["target"], "--draft", tiny_models["near_draft"],
+                  "--max-new-tokens", "8", "--systems", "hf,specdec-target-only,specdec-spec",
+                  "--split", "1:0", "--k", "2", "--out", str(out))
+    assert "all systems' greedy token ids equal HF target-only's" in stdout
+    assert "split cores' separation before the runs" in stdout
+    summary = json.loads((out / "bench.json").read_text())["summary"]
+    assert summary["split"] == {"target": [1], "draft": [0]}
+    sep = summary["separation"]
+    assert sep["cores"] == {"target": [1], "draft": [0]}  # as each model process ran
+    assert sep["draft"] == tiny_models["near_draft"]
+    assert set(sep["target_alone"]) == set(sep["target_with_draft"]) == {"1", "5"}
+    assert sep["draft_alone"] > 0 and sep["draft_with_target"] > 0
+
+
 def _cli(*args):
     proc = subprocess.run([sys.executable, "-m", "orchestrator.cli", *args],
                           capture_output=True, text=True, timeout=900)
