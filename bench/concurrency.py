@@ -162,7 +162,7 @@ def table(summary: dict) -> str:
              "p95 latency s | tokens/round | drafted rounds | mismatches |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["rows"]:
-        rel = r["tokens_per_s"] / base[r["system"]] if base.get(r["system"]) else float("nan")
+        rel = _num(r["tokens_per_s"] / base[r["system"]], "x") if base.get(r["system"]) else "-"
         tps, vs = f"{r['tokens_per_s']:.1f}", "-"
         if r["repeats"] > 1:
             tps += " [{:.1f}-{:.1f}]".format(*r["tokens_per_s_range"])
@@ -170,15 +170,15 @@ def table(summary: dict) -> str:
             vs = f"{r['vs_target_only']:.2f}x"
             if r["repeats"] > 1:
                 vs += " [{:.2f}-{:.2f}]".format(*r["vs_target_only_range"])
-        lines.append(f"| {r['system']} | {r['concurrency']} | {tps} | {rel:.2f}x | {vs} | "
+        lines.append(f"| {r['system']} | {r['concurrency']} | {tps} | {rel} | {vs} | "
                      f"{r['p50_s']:.2f} | {r['p95_s']:.2f} | "
                      f"{_num(r.get('tokens_per_round'))} | {_num(r.get('drafted_rounds'))} | "
                      f"{r['mismatches']} |")
     return "\n".join(lines)
 
 
-def _num(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
+def _num(x: float | None, unit: str = "") -> str:
+    return "-" if x is None else f"{x:.2f}{unit}"
 
 
 def plot(summary: dict, out) -> object:

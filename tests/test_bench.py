@@ -198,3 +198,17 @@ def test_contention_times_each_model_alone_and_beside_the_other_on_split_cores(t
     assert all(v > 0 for v in [*m["target_alone"].values(), *m["target_with_draft"].values(),
                                m["draft_alone"], m["draft_with_target"]])
     assert [r["k"] for r in m["bounds"]] == [2]
+
+
+def test_the_concurrency_table_leaves_vs_n1_empty_when_n1_was_not_run():
+    """`--concurrency 4,8` has no N = 1 row to compare with: '-' (it printed 'nanx')."""
+    from bench.concurrency import table
+
+    def row(system, n, tps):
+        return dict(system=system, concurrency=n, repeats=1, tokens_per_s=tps, p50_s=1.0,
+                    p95_s=1.0, mismatches=0, vs_target_only=1.0)
+
+    assert "| specdec-target-only | 4 | 80.0 | - | 1.00x |" in \
+        table({"rows": [row("specdec-target-only", 4, 80.0)]})
+    assert "| specdec-target-only | 4 | 80.0 | 2.00x | 1.00x |" in \
+        table({"rows": [row("specdec-target-only", 1, 40.0), row("specdec-target-only", 4, 80.0)]})
