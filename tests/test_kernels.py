@@ -274,6 +274,9 @@ def test_local_service_processes_get_that_environment(tiny_models, monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     service = ServiceProcess("target", service_args(tiny_models["target"], 1, ["--no-calibrate"]))
     try:
+        # Read it once the service serves: between exec's closing of the close-on-exec
+        # pipe (when Popen returns) and the new stack's set-up, /proc/PID/environ is empty.
+        service.wait_port(timeout_s=120)
         environ = open(f"/proc/{service.proc.pid}/environ", "rb").read().split(b"\0")
         assert b"GOMP_SPINCOUNT=100000" in environ
     finally:
