@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--out", required=True)
     a.add_argument("--target", default="default")
     a.add_argument("--prompts", type=int, default=16000)
-    a.add_argument("--prompt-set", default="wide", choices=["base", "wide"])
+    a.add_argument("--prompt-set", default="wide", choices=["base", "wide", "real"])
     a.add_argument("--heldout-prompts", type=int, default=48)
     a.add_argument("--max-new-tokens", type=int, default=192)
     a.add_argument("--seed", type=int, default=0)

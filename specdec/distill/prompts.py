@@ -226,14 +226,23 @@ def train_conversations(n: int = 1200, seed: int = 0, prompt_set: str = "base") 
     """n single-turn chat prompts over the training topics and code tasks.
 
     ``prompt_set="wide"`` adds WIDE_TOPICS and WIDE_TEMPLATES (about 16k distinct prompts
-    instead of 3.7k), for builds with more data than the base set can feed.
+    instead of 3.7k), for builds with more data than the base set can feed. ``"real"`` makes
+    half of them from real text instead (``realtext``: the standard library's documentation
+    and code under varied, often casual, instructions).
     """
     if prompt_set == "base":
         return _conversations(TRAIN_TOPICS, TEMPLATES, n, seed, with_code=True)
     if prompt_set == "wide":
         return _conversations(TRAIN_TOPICS + WIDE_TOPICS, TEMPLATES + WIDE_TEMPLATES, n, seed,
                               with_code=True)
-    raise ValueError(f"unknown prompt set {prompt_set!r} (base or wide)")
+    if prompt_set == "real":
+        from specdec.distill.realtext import real_text_prompts
+
+        convs = train_conversations(n - n // 2, seed, "wide")
+        convs += [[{"role": "user", "content": p}] for p in real_text_prompts(n // 2, seed)]
+        random.Random(seed).shuffle(convs)
+        return convs
+    raise ValueError(f"unknown prompt set {prompt_set!r} (base, wide or real)")
 
 
 def held_out_conversations(n: int = 48, seed: int = 1) -> list[list[dict]]:
