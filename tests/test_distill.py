@@ -140,3 +140,25 @@ def test_the_handwritten_held_out_prompts_are_no_templates_output():
     assert not training & set(handwritten)
     with pytest.raises(ValueError, match="handwritten"):
         prompts.held_out_set("nope")
+
+
+def test_the_real_prompt_set_is_half_real_text_and_never_a_held_out_prompt():
+    """prompt_set="real": half the prompts wrap a passage, a function or a name from the
+    standard library (bounded in length) in a task; none is or contains a handwritten one."""
+    from specdec.distill import prompts, realtext
+
+    src = realtext.sources()
+    assert min(len(v) for v in src.values()) > 200  # the stdlib gives each kind plenty
+    assert all(len(x) <= realtext.MAX_CHARS for x in src["text"] + src["code"])
+    convs = prompts.train_conversations(400, seed=3, prompt_set="real")
+    assert convs == prompts.train_conversations(400, seed=3, prompt_set="real")  # deterministic
+    firsts = [c[-1]["content"] for c in convs]
+    wide = [c[-1]["content"] for c in prompts.train_conversations(200, seed=3, prompt_set="wide")]
+    real = realtext.real_text_prompts(200, seed=3)
+    assert sorted(firsts) == sorted(wide + real)
+    pool = src["text"] + src["code"] + src["name"]
+    assert all(any(x in p for x in pool) for p in real)
+    assert len(set(real)) > 190  # varied, not a few prompts repeated
+    handwritten = [c[0]["content"] for c in prompts.held_out_set("handwritten")]
+    for p in handwritten:
+        assert not any(p in f or f in p for f in firsts), p
