@@ -57,6 +57,14 @@ def _gguf_cache_dir(gguf: pathlib.Path) -> pathlib.Path:
     return cache_root() / "models" / f"{gguf.stem}-{digest.hexdigest()[:16]}"
 
 
+def gguf_file(spec: str) -> pathlib.Path | None:
+    """The GGUF file a model spec names (the default target's included), or None."""
+    if is_default_target(spec):
+        return default_gguf_path()
+    path = pathlib.Path(spec).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def is_default_target(spec: str) -> bool:
     return spec in (DEFAULT_TARGET, "smollm2", DEFAULT_TARGET_NAME)
 

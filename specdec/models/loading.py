@@ -7,7 +7,7 @@ import logging
 import torch
 
 from specdec.config import INT8, ServiceConfig, split_quantization
-from specdec.models.hub import load_hf_model, pick_device, resolve_model_dir
+from specdec.models.hub import gguf_file, load_hf_model, pick_device, resolve_model_dir
 from specdec.models.tokenizer import eos_token_ids, fingerprint
 from specdec.serving.arch import ArchConfig
 from specdec.serving.engine import LlamaEngine
@@ -34,7 +34,8 @@ def load_engine(spec: str, device: torch.device, kernels: str = "auto"):
         return draft_model.load_engine(spec, device, kernels, quantize=quantize)
     check_architecture(spec)  # refuse before reading any weights
     model, tokenizer = load_hf_model(spec)
-    return LlamaEngine.from_hf(model, device, kernels, quantize=quantize), tokenizer, model.config
+    engine = LlamaEngine.from_hf(model, device, kernels, quantize=quantize, gguf=gguf_file(spec))
+    return engine, tokenizer, model.config
 
 
 def check_architecture(spec: str) -> ArchConfig:

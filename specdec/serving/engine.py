@@ -41,6 +41,7 @@ from specdec.serving.kernels import (
     ONEDNN,
     QUANTIZATIONS,
     SMALLM,
+    GroupedCodes,
     Int8Linear,
     KernelPlan,
     Linear,
@@ -132,10 +133,13 @@ class LlamaEngine:
         vocab_map: torch.Tensor | None = None,
         quantize: str | None = None,
         native: bool = True,
+        codes: dict[str, GroupedCodes] | None = None,
     ):
         """``native``: run what a layer does between its linear layers on the fused C ops
         (``native/layerops.c``) where they can run it exactly (see ``_native_ops``); False:
-        always torch's ops."""
+        always torch's ops. ``codes``: weights (by canonical name) that are also held exactly
+        as grouped int8 codes (a GGUF file's blocks, ``specdec.models.gguf_codes``), which
+        smallm then streams instead of their float32 (the same results)."""
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
         self.arch = arch
@@ -161,8 +165,12 @@ class LlamaEngine:
                 if kernels == "auto" else KernelPlan.fixed(kernels)
         self.kernels = plan
 
-        def linear(weight: torch.Tensor, bias: torch.Tensor | None):
-            return Linear(weight, bias, plan) if quantize is None else Int8Linear(weight, bias)
+        codes = codes or {}
+
+        def linear(name: str, bias: torch.Tensor | None):
+            if quantize is not None:
+                return Int8Linear(w(name), bias)
+            return Linear(w(name), bias, plan, codes.get(name) if plan is not None else None)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device, self.dtype)
@@ -176,11 +184,11 @@ class LlamaEngine:
             p = f"layers.{i}."
             layer = dict(
                 attn_norm=w(p + "attn_norm"),
-                qkv=linear(w(p + "wqkv"), opt(p + "bqkv")),
-                o=linear(w(p + "wo"), opt(p + "bo")),
+                qkv=linear(p + "wqkv", opt(p + "bqkv")),
+                o=linear(p + "wo", opt(p + "bo")),
                 mlp_norm=w(p + "mlp_norm"),
-                gate_up=linear(w(p + "w_gate_up"), opt(p + "b_gate_up")),
-                down=linear(w(p + "w_down"), opt(p + "b_down")),
+                gate_up=linear(p + "w_gate_up", opt(p + "b_gate_up")),
+                down=linear(p + "w_down", opt(p + "b_down")),
             )
             # Only for the architectures that have them (a key's absence is the plain path).
             for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
@@ -192,7 +200,7 @@ class LlamaEngine:
                 raise ValueError(f"{arch.model_type}: layer {i} has no post-attention norm")
             self.layers.append(layer)
         self.norm = w("norm")
-        self.head = linear(w("head"), None)
+        self.head = linear("head", None)
         self.vocab_in = self.embed.shape[0]
         self.vocab_out = self.head.out_features
         self.vocab_map = None if vocab_map is None else vocab_map.to(torch.long)
@@ -259,11 +267,18 @@ class LlamaEngine:
 
     @classmethod
     def from_hf(cls, model, device="cpu", kernels: str = "auto",
-                quantize: str | None = None) -> "LlamaEngine":
-        """From a transformers Llama-family causal LM (weights are copied)."""
+                quantize: str | None = None, gguf=None) -> "LlamaEngine":
+        """From a transformers Llama-family causal LM (weights are copied); ``gguf``: the GGUF
+        file it was dequantized from, whose blocks smallm then streams where they encode a
+        weight exactly (``specdec.models.gguf_codes``)."""
         arch = ArchConfig.from_hf(model.config)
-        return cls(arch, canonical_weights(model.state_dict(), arch), device, kernels,
-                   quantize=quantize)
+        weights = canonical_weights(model.state_dict(), arch)
+        codes = None
+        if gguf is not None and quantize is None and torch.device(device).type == "cpu":
+            from specdec.models.gguf_codes import exact_codes
+
+            codes = exact_codes(gguf, weights)
+        return cls(arch, weights, device, kernels, quantize=quantize, codes=codes)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.arch, self.device, self.dtype)
@@ -514,7 +529,7 @@ class _Lin(ctypes.Structure):
     """layerops.c's sd_lin: one linear layer as smallm runs it."""
 
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("k", ctypes.c_long), ("n", ctypes.c_long)]
+                ("k", ctypes.c_long), ("n", ctypes.c_long), ("dm", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -528,13 +543,14 @@ def _layer_structs(layers: list[dict], windows: list[int | None]):
     """(the sd_layer array, the panel width, the tensors it points into) for ``sd_layers``, or
     () when a linear layer has no smallm panels (its kernel is a library's)."""
     def lin(linear) -> _Lin | None:
-        panels = getattr(linear, "panels", None)
+        grouped = getattr(linear, "grouped", None)
+        panels = getattr(linear, "panels", None) if grouped is None else grouped
         if panels is None:
             return None
         scale = linear.scale if isinstance(linear, Int8Linear) else None
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         return _Lin(panels.data_ptr(), ptr(scale), ptr(linear.bias), linear.in_features,
-                    linear.out_features)
+                    linear.out_features, ptr(getattr(linear, "dm", None)))
 
     out, keep, panel = (_Layer * len(layers))(), [], 0
     for i, (layer, window) in enumerate(zip(layers, windows)):

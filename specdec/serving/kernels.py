@@ -125,6 +125,8 @@ def smallm_library() -> tuple[ctypes.CDLL, int] | None:
     lib.sd_linear.restype = None
     lib.sd_linear_q8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
     lib.sd_linear_q8.restype = None
+    lib.sd_linear_g.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+    lib.sd_linear_g.restype = None
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     lib.sd_add_rms_norm.argtypes = [ptr] * 4 + [i32, i32, f32]
     lib.sd_attend.argtypes = [ptr, i32, i32, ptr, ptr, ptr, ptr, i64, i32, i32, f32, i32, i32,
@@ -154,6 +156,36 @@ def pack_panels(weight: torch.Tensor, panel: int) -> torch.Tensor:
     padded = torch.zeros(panels * panel, k, dtype=weight.dtype)
     padded[:n] = weight
     return padded.view(panels, panel, k).transpose(1, 2).contiguous()
+
+
+GROUP = 32  # grouped codes: weights per (d, m) pair along the input dimension (smallm.c)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedCodes:
+    """A float32 weight [out, in] held exactly as int8 codes in groups of GROUP along ``in``:
+    weight = d * q + m, each group with its own d and m ([out, in / GROUP] each), as a GGUF
+    file's Q8_0 / Q4_0 / Q4_1 blocks store it (``specdec.models.gguf_codes`` builds them and
+    checks them against the dequantized weight, bit for bit)."""
+
+    q: torch.Tensor  # int8 [out, in]
+    d: torch.Tensor  # float32 [out, in / GROUP]
+    m: torch.Tensor  # float32 [out, in / GROUP]
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight they encode, computed as smallm computes it (d * q is exact)."""
+        n, k = self.q.shape
+        q = self.q.view(n, k // GROUP, GROUP).float()
+        return (self.d[:, :, None] * q + self.m[:, :, None]).view(n, k)
+
+
+def pack_groups(codes: GroupedCodes, panel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the codes in smallm's panels, the groups' d and m as [panels, in / GROUP, 2, panel])."""
+    n, groups = codes.d.shape
+    dm = torch.zeros(-(-n // panel) * panel, groups, 2)
+    dm[:n, :, 0], dm[:n, :, 1] = codes.d, codes.m
+    dm = dm.view(-1, panel, groups, 2).permute(0, 2, 3, 1).contiguous()
+    return pack_panels(codes.q, panel), dm
 
 
 def prepack_available(device: torch.device) -> bool:
@@ -230,10 +262,13 @@ class Linear:
 
     ``plan`` None: F.linear only (GPU). Each kernel reads its own layout of the weight:
     ``plain`` ([out, in]: mkl), ``transposed`` ([in, out]: mkl-t), ``packed`` (oneDNN's),
-    ``panels`` (smallm's, ``pack_panels``).
+    ``panels`` (smallm's, ``pack_panels``). With ``codes`` (the same weight as grouped int8
+    codes, exactly) smallm reads those instead (``grouped``, ``dm``): the same results from a
+    quarter of the bytes.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan | None,
+                 codes: GroupedCodes | None = None):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.plan = plan
@@ -241,6 +276,8 @@ class Linear:
         self.transposed: torch.Tensor | None = None
         self.packed: torch.Tensor | None = None
         self.panels: torch.Tensor | None = None
+        self.grouped: torch.Tensor | None = None
+        self.dm: torch.Tensor | None = None
         kernels = plan.used() if plan is not None else {MKL}
         if MKL_T in kernels:
             self.transposed = self.plain.t().contiguous()
@@ -248,7 +285,10 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.plain, None)
         if SMALLM in kernels:
             self.lib, self.panel = smallm_library()
-            self.panels = pack_panels(self.plain, self.panel)
+            if codes is not None and self.in_features % GROUP == 0:
+                self.grouped, self.dm = pack_groups(codes, self.panel)
+            else:
+                self.panels = pack_panels(self.plain, self.panel)
             self.bias = None if bias is None else bias.contiguous()
         self.keep_only(kernels)
 
@@ -270,6 +310,12 @@ class Linear:
             raise ValueError(f"smallm takes [rows, {self.in_features}] float32, got "
                              f"{tuple(x.shape)} {x.dtype}")
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if self.grouped is not None:
+            self.lib.sd_linear_g(x.data_ptr(), self.grouped.data_ptr(), self.dm.data_ptr(),
+                                 None if self.bias is None else self.bias.data_ptr(),
+                                 y.data_ptr(), x.shape[0], self.in_features, self.out_features,
+                                 self.panel, torch.get_num_threads())
+            return y
         self.lib.sd_linear(x.data_ptr(), self.panels.data_ptr(),
                            None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
                            x.shape[0], self.in_features, self.out_features, self.panel,
@@ -285,7 +331,7 @@ class Linear:
         if ONEDNN not in kernels:
             self.packed = None
         if SMALLM not in kernels:
-            self.panels = None
+            self.panels = self.grouped = self.dm = None
 
 
 class Int8Linear:

@@ -17,6 +17,7 @@
 #include <omp.h>
 #endif
 
+#define SD_GROUP 32  /* grouped codes: weights per (d, m) pair along k (GGUF's block size) */
 #define PREFETCH_ROWS 32  /* prefetch distance along k, in panel rows (best of 8..128 measured) */
 // int8 panels: a prefetch once per 64-byte line, this many bytes ahead (the int8 variant on
 // 8 panels of 16 columns for one row, streaming 40 distinct 3072 x 576 weights on the Xeon:
@@ -26,7 +27,9 @@
 // PF: prefetch distance in bytes; PFMASK: prefetch when (k & PFMASK) == 0.
 #define BLOCK(NAME, TARGET, VEC, WT, P, LOAD, SET1, FMA, ZERO, STORE, PF, PFMASK)          \
 __attribute__((target(TARGET), always_inline)) static inline void NAME(                     \
-    const float *x, const WT *w0, float *out, int K, const int MB, const int J) {         \
+    const float *x, const WT *w0, const float *dm0, float *out, int K, const int MB,       \
+    const int J) {                                                                         \
+  (void)dm0;                                                                               \
   VEC acc[8][8];                                                                           \
   for (int a = 0; a < MB; a++)                                                             \
     for (int j = 0; j < J; j++) acc[a][j] = ZERO;                                          \
@@ -47,7 +50,7 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
     for (int j = 0; j < J; j++) STORE(out + (a * 8 + j) * P, acc[a][j]);                   \
 }
 
-#define CASE(BLOCKFN, MB, J) case MB * 16 + J: BLOCKFN(xb, w0, out, K, MB, J); break;
+#define CASE(BLOCKFN, MB, J) case MB * 16 + J: BLOCKFN(xb, w0, d0, out, K, MB, J); break;
 #define CASES(BLOCKFN, MB)                                                                 \
   CASE(BLOCKFN, MB, 1) CASE(BLOCKFN, MB, 2) CASE(BLOCKFN, MB, 4) CASE(BLOCKFN, MB, 8)
 
@@ -56,8 +59,8 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
 // fewer panels in the largest of those that fit (7: four, two, one).
 #define KERNEL(NAME, BLOCKFN, TARGET, WT, P, JFOR)                                         \
 __attribute__((target(TARGET))) static void NAME(                                          \
-    const float *x, const WT *wp, const float *scale, const float *bias, float *y, int M, \
-    int K, int N, int ldy) {                                                               \
+    const float *x, const WT *wp, const float *dm, const float *scale, const float *bias,  \
+    float *y, int M, int K, int N, int ldy) {                                              \
   int panels = (N + P - 1) / P;                                                            \
   float out[8 * 8 * P];                                                                    \
   for (int m0 = 0; m0 < M; m0 += 8) {                                                      \
@@ -67,6 +70,7 @@ __attribute__((target(TARGET))) static void NAME(                               
     for (int p0 = 0, jb = J; p0 < panels; p0 += jb) {                                      \
       while (jb > panels - p0) jb /= 2;                                                    \
       const WT *w0 = wp + (long)p0 * K * P;                                                \
+      const float *d0 = dm ? dm + (long)p0 * (K / SD_GROUP) * 2 * P : 0;                   \
       switch (mb * 16 + jb) { /* constant shapes, so the loops unroll */                   \
         CASES(BLOCKFN, 1) CASES(BLOCKFN, 2) CASES(BLOCKFN, 3) CASES(BLOCKFN, 4)            \
         CASES(BLOCKFN, 5) CASES(BLOCKFN, 6) CASES(BLOCKFN, 7) CASES(BLOCKFN, 8)            \
@@ -87,6 +91,46 @@ __attribute__((target(TARGET))) static void NAME(                               
   }                                                                                        \
 }
 
+// Grouped int8 codes (sd_linear_g): each output column's weights in groups of SD_GROUP
+// along k, weight = d * q + m with the group's d and m (a GGUF file's Q8_0 / Q4_0 / Q4_1
+// blocks: kernels.py re-encodes those exactly). d * q is exact in float32 (an fp16 d times a
+// code of at most 8 bits), so the weight formed in registers is bit for bit the fp32 weight
+// sd_linear would load, and the products are summed in the same order over k: the results
+// are identical to sd_linear's on the dequantized weight, from a quarter of its bytes.
+// dm: [panels][K / SD_GROUP][2][P] (d, then m, for the panel's P columns).
+#define BLOCKG(NAME, TARGET, VEC, P, LOADQ, LOADF, SET1, MUL, ADD, FMA, ZERO, STORE, PF, PFMASK)\
+__attribute__((target(TARGET), always_inline)) static inline void NAME(                     \
+    const float *x, const signed char *w0, const float *dm0, float *out, int K,           \
+    const int MB, const int J) {                                                           \
+  VEC acc[8][8];                                                                           \
+  const long groups = K / SD_GROUP;                                                        \
+  for (int a = 0; a < MB; a++)                                                             \
+    for (int j = 0; j < J; j++) acc[a][j] = ZERO;                                          \
+  for (long g = 0; g < groups; g++) {                                                      \
+    VEC dv[8], mv[8];                                                                      \
+    for (int j = 0; j < J; j++) {                                                          \
+      const float *dm = dm0 + ((long)j * groups + g) * 2 * P;                              \
+      dv[j] = LOADF(dm);                                                                   \
+      mv[j] = LOADF(dm + P);                                                               \
+    }                                                                                      \
+    for (long k = g * SD_GROUP; k < (g + 1) * SD_GROUP; k++) {                             \
+      const signed char *w = w0 + k * P;                                                   \
+      VEC wv[8];                                                                           \
+      for (int j = 0; j < J; j++) {                                                        \
+        wv[j] = ADD(MUL(dv[j], LOADQ(w + (long)j * K * P)), mv[j]);                        \
+        if ((k & (PFMASK)) == 0)                                                           \
+          _mm_prefetch((const char *)(w + (long)j * K * P) + (PF), _MM_HINT_T0);           \
+      }                                                                                    \
+      for (int a = 0; a < MB; a++) {                                                       \
+        VEC xv = SET1(x[(long)a * K + k]);                                                 \
+        for (int j = 0; j < J; j++) acc[a][j] = FMA(xv, wv[j], acc[a][j]);                 \
+      }                                                                                    \
+    }                                                                                      \
+  }                                                                                        \
+  for (int a = 0; a < MB; a++)                                                             \
+    for (int j = 0; j < J; j++) STORE(out + (a * 8 + j) * P, acc[a][j]);                   \
+}
+
 #define J512(mb) ((mb) <= 4 ? 4 : 2)
 #define J256(mb) ((mb) <= 2 ? 4 : (mb) <= 4 ? 2 : 1)
 
@@ -104,10 +148,18 @@ BLOCK(blockq512, "avx512f", __m512, signed char, 16, LOADQ512, _mm512_set1_ps, _
       _mm512_setzero_ps(), _mm512_storeu_ps, PREFETCH_Q8_BYTES, 3)
 BLOCK(blockq256, "avx2,fma", __m256, signed char, 8, LOADQ256, _mm256_set1_ps, _mm256_fmadd_ps,
       _mm256_setzero_ps(), _mm256_storeu_ps, PREFETCH_Q8_BYTES, 7)
+BLOCKG(blockg512, "avx512f", __m512, 16, LOADQ512, _mm512_loadu_ps, _mm512_set1_ps,
+       _mm512_mul_ps, _mm512_add_ps, _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_storeu_ps,
+       PREFETCH_Q8_BYTES, 3)
+BLOCKG(blockg256, "avx2,fma", __m256, 8, LOADQ256, _mm256_loadu_ps, _mm256_set1_ps,
+       _mm256_mul_ps, _mm256_add_ps, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_storeu_ps,
+       PREFETCH_Q8_BYTES, 7)
 KERNEL(linear512, block512, "avx512f", float, 16, J512)
 KERNEL(linear256, block256, "avx2,fma", float, 8, J256)
 KERNEL(linearq512, blockq512, "avx512f", signed char, 16, JQ512)
 KERNEL(linearq256, blockq256, "avx2,fma", signed char, 8, J256)
+KERNEL(linearg512, blockg512, "avx512f", signed char, 16, JQ512)
+KERNEL(linearg256, blockg256, "avx2,fma", signed char, 8, J256)
 
 // The panel width this CPU's kernel reads: 16 (AVX-512), 8 (AVX2 + FMA), 0 (neither).
 int sd_panel(void) {
@@ -117,19 +169,22 @@ int sd_panel(void) {
   return 0;
 }
 
-// scale NULL: float32 weights; else int8 weights and their column scales.
-static void linear(const float *x, const void *wp, const float *scale, const float *bias,
-                   float *y, int M, int K, int N, int ldy, int panel) {
-  if (scale) {
-    if (panel == 16) linearq512(x, wp, scale, bias, y, M, K, N, ldy);
-    else if (panel == 8) linearq256(x, wp, scale, bias, y, M, K, N, ldy);
+// dm: grouped int8 codes; else scale: int8 weights and their column scales; else float32.
+static void linear(const float *x, const void *wp, const float *dm, const float *scale,
+                   const float *bias, float *y, int M, int K, int N, int ldy, int panel) {
+  if (dm) {
+    if (panel == 16) linearg512(x, wp, dm, 0, bias, y, M, K, N, ldy);
+    else if (panel == 8) linearg256(x, wp, dm, 0, bias, y, M, K, N, ldy);
+  } else if (scale) {
+    if (panel == 16) linearq512(x, wp, 0, scale, bias, y, M, K, N, ldy);
+    else if (panel == 8) linearq256(x, wp, 0, scale, bias, y, M, K, N, ldy);
   } else {
-    if (panel == 16) linear512(x, wp, 0, bias, y, M, K, N, ldy);
-    else if (panel == 8) linear256(x, wp, 0, bias, y, M, K, N, ldy);
+    if (panel == 16) linear512(x, wp, 0, 0, bias, y, M, K, N, ldy);
+    else if (panel == 8) linear256(x, wp, 0, 0, bias, y, M, K, N, ldy);
   }
 }
 
-static void run(const float *x, const void *wp, int wsize, const float *scale,
+static void run(const float *x, const void *wp, int wsize, const float *dm, const float *scale,
                 const float *bias, float *y, int M, int K, int N, int panel, int threads) {
 #ifdef _OPENMP
   int panels = (N + panel - 1) / panel;
@@ -141,7 +196,8 @@ static void run(const float *x, const void *wp, int wsize, const float *scale,
       int p0 = t * per, p1 = p0 + per < panels ? p0 + per : panels;
       if (p0 < p1) {
         int c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
-        linear(x, (const char *)wp + (long)p0 * K * panel * wsize, scale ? scale + c0 : 0,
+        linear(x, (const char *)wp + (long)p0 * K * panel * wsize,
+               dm ? dm + (long)p0 * (K / SD_GROUP) * 2 * panel : 0, scale ? scale + c0 : 0,
                bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N, panel);
       }
     }
@@ -149,7 +205,7 @@ static void run(const float *x, const void *wp, int wsize, const float *scale,
   }
 #endif
   (void)threads;
-  linear(x, wp, scale, bias, y, M, K, N, N, panel);
+  linear(x, wp, dm, scale, bias, y, M, K, N, N, panel);
 }
 
 // x: [M, K] and y: [M, N] row-major float32; wp packed for ``panel`` (sd_panel's); bias or NULL.
@@ -157,13 +213,20 @@ static void run(const float *x, const void *wp, int wsize, const float *scale,
 // panels are split between the threads in runs of 4, each streaming its share of the weight.
 void sd_linear(const float *x, const float *wp, const float *bias, float *y, int M, int K,
                int N, int panel, int threads) {
-  run(x, wp, sizeof(float), 0, bias, y, M, K, N, panel, threads);
+  run(x, wp, sizeof(float), 0, 0, bias, y, M, K, N, panel, threads);
 }
 
 // The same with int8 weights wq (packed as sd_linear's) and y[:, n] scaled by scale[n].
 void sd_linear_q8(const float *x, const signed char *wq, const float *scale, const float *bias,
                   float *y, int M, int K, int N, int panel, int threads) {
-  run(x, wq, 1, scale, bias, y, M, K, N, panel, threads);
+  run(x, wq, 1, 0, scale, bias, y, M, K, N, panel, threads);
+}
+
+// The same with grouped int8 codes wq (packed as sd_linear's) and their groups' d and m (dm,
+// see BLOCKG); K a multiple of SD_GROUP. Bit-identical to sd_linear on d * q + m.
+void sd_linear_g(const float *x, const signed char *wq, const float *dm, const float *bias,
+                 float *y, int M, int K, int N, int panel, int threads) {
+  run(x, wq, 1, dm, 0, bias, y, M, K, N, panel, threads);
 }
 
 // Whether this build splits calls between threads (built with OpenMP).

@@ -1,0 +1,123 @@
+"""A GGUF target's linear layers streamed as the file's own codes (specdec.models.gguf_codes,
+smallm's sd_linear_g): bit for bit the float32 model's results, from a quarter of the bytes."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.serving.kernels import GroupedCodes, Linear, KernelPlan, SMALLM, smallm_available
+
+needs_smallm = pytest.mark.skipif(not smallm_available(torch.device("cpu")),
+                                  reason="no C compiler or no AVX2 / AVX-512")
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_blocks_decode_to_what_the_gguf_package_dequantizes(kind):
+    """Each block type's codes, scales and minimums, dequantized as smallm forms a weight,
+    equal gguf's own dequantization exactly (Q4_0 codes are offset by 8, Q4_1 has a min)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from specdec.models.gguf_codes import _blocks
+
+    qtype = getattr(GGMLQuantizationType, kind)
+    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32) - 0.3
+    raw = quants.quantize(w, qtype)
+    want = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
+    got = GroupedCodes(*(torch.from_numpy(a) for a in _blocks(raw, kind))).dequantize()
+    assert (want - torch.from_numpy(w)).abs().max() > 1e-3  # the quantization shows
+    assert torch.equal(got, want)
+
+
+@needs_smallm
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("out_features", [1, 15, 37, 100])
+def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(threads, out_features):
+    """sd_linear_g against sd_linear on the dequantized weight: identical for every row count
+    up to two chunks of 8, ragged panels, both thread shares, with a bias."""
+    gen = torch.Generator().manual_seed(out_features)
+    q = torch.randint(-127, 128, (out_features, 96), generator=gen, dtype=torch.int8)
+    d = torch.rand(out_features, 3, generator=gen).half().float() / 64
+    m = torch.randn(out_features, 3, generator=gen).half().float()
+    codes = GroupedCodes(q, d, m)
+    w = codes.dequantize()
+    b = torch.randn(out_features, generator=gen)
+    plan = KernelPlan.fixed(SMALLM)
+    fp32, grouped = Linear(w, b, plan), Linear(w, b, plan, codes)
+    assert grouped.panels is None and grouped.grouped.dtype == torch.int8
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in range(1, 18):
+            x = torch.randn(rows, 96, generator=gen)
+            assert torch.equal(grouped(x), fp32(x)), rows
+            torch.testing.assert_close(grouped(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_weight_the_codes_do_not_encode_exactly_keeps_its_float32(tmp_path):
+    """exact_codes matches rows by their bytes and checks the whole weight: a weight with one
+    changed element, or one that is not in the file, gets no codes."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    from specdec.models.gguf_codes import exact_codes
+
+    rng = np.random.default_rng(1)
+    path = tmp_path / "m.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    deq = {}
+    for name, kind in (("a", "Q4_1"), ("b", "Q8_0")):
+        w = rng.standard_normal((8, 64)).astype(np.float32)
+        qtype = getattr(GGMLQuantizationType, kind)
+        raw = quants.quantize(w, qtype)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        deq[name] = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    changed = deq["b"].clone()
+    changed[3, 7] = torch.nextafter(changed[3, 7], torch.tensor(9.0))
+    weights = {"layers.0.wqkv": torch.cat([deq["a"][4:], deq["b"][:3]]),  # rows of both
+               "layers.0.wo": deq["a"].flip(0),  # reordered rows
+               "layers.0.w_down": changed,
+               "layers.0.w_gate_up": torch.randn(8, 64),
+               "head": deq["b"]}
+    codes = exact_codes(path, weights)
+    assert sorted(codes) == ["head", "layers.0.wo", "layers.0.wqkv"]
+    for name, c in codes.items():
+        assert torch.equal(c.dequantize(), weights[name])
+
+
+@needs_smallm
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_default_target_on_its_codes_is_the_float32_target_bit_for_bit(threads):
+    """The real default target: every linear layer (and the tied head) takes the GGUF file's
+    codes, and ragged passes of 1-35 rows over three sessions give the float32 smallm engine's
+    logits exactly, on the whole-stack call and on the per-layer loop."""
+    from specdec.models.hub import default_gguf_path, load_hf_model
+    from specdec.serving.engine import LlamaEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model, _ = load_hf_model("default")
+        fp32 = LlamaEngine.from_hf(model, "cpu", "smallm")
+        coded = LlamaEngine.from_hf(model, "cpu", "smallm", gguf=default_gguf_path())
+        assert all(layer[n].grouped is not None for layer in coded.layers
+                   for n in ("qkv", "o", "gate_up", "down")) and coded.head.grouped is not None
+        for whole in (True, False):
+            outs = []
+            for engine in (fp32, coded):
+                engine.whole_stack = whole
+                caches = [engine.new_cache() for _ in range(3)]
+                outs.append([
+                    engine.forward(caches, [torch.arange(5, 40), torch.arange(100, 117),
+                                            torch.tensor([7])], [1, 1, 1]),
+                    engine.forward(caches, [torch.tensor([3, 4, 5, 6, 7]), torch.tensor([9]),
+                                            torch.tensor([11, 12])], [5, 1, 2])])
+            for a, b in zip(*outs):
+                assert all(torch.equal(x, y) for x, y in zip(a, b))
+    finally:
+        torch.set_num_threads(before)
