@@ -25,6 +25,13 @@ from specdec.serving.branching import MAX_BRANCHES
 # The longest block adaptive k chooses (a request's fixed k may go to specdec.config.MAX_K).
 ADAPTIVE_K_MAX = 8
 PROBE_EVERY = 16  # rounds at k = 0 between probes of the acceptance
+# Each probe that leaves speculation unpaid doubles the rounds to the next one, up to this
+# factor (one that pays resets it). A probe costs a draft call that catches up on the tokens
+# since the last one, or a lookup's longer verify pass, against a round that is one target
+# step: with the target on its GGUF codes (a step of ~9 ms on 2 shared cores), probes every
+# 16 rounds cost the shipped draft's chat rounds 9% against target-only (measured: 5 draft
+# and 4 lookup probes in 93 rounds, 3 of their 42 tokens accepted).
+PROBE_BACKOFF_MAX = 8
 # While the target batches other sessions, speculate only for a predicted gain above this
 # share per other session in the target's passes. What the model leaves out costs
 # speculation more as sessions share the passes: those that do not draft wait for the
@@ -286,6 +293,8 @@ class KController:
         self.pool = pool
         self.accepted = Acceptance(prior_a, prior_weight, decay)
         self.zero_rounds = 0
+        self.backoff = 1  # the probes' spacing, in probe_every()s (PROBE_BACKOFF_MAX)
+        self.probing = False  # a probe block is out: its verdict sets the backoff
         # The speculation cache (pipelined rounds with branches): the share of verdicts it had
         # a branch for, decayed, and its current width (candidates per acceptance length).
         self.branching = False
@@ -309,6 +318,15 @@ class KController:
         self.accepted.observe(k, accepted)
         if self.pool is not None:
             self.pool.observe(k, accepted)
+        if self.probing:  # a probe that left speculation unpaid: the next one comes later
+            self.probing = False
+            self.backoff = 1 if self.best_k() else min(2 * self.backoff, PROBE_BACKOFF_MAX)
+        elif self.backoff > 1 and self.best_k():
+            self.backoff = 1
+
+    def probe_due(self) -> float:
+        """Rounds at k = 0 before the next probe: ``Costs.probe_every`` times the backoff."""
+        return self.costs.probe_every() * self.backoff
 
     def observe_cache(self, hit: bool) -> None:
         """Record a pipelined round's verdict: did the speculation cache hold its branch?"""
@@ -448,7 +466,7 @@ class KController:
         if self.fixed_k is not None:
             return self.fixed_k
         k = self.best_k(now=now)
-        if k or self.zero_rounds < self.costs.probe_every():
+        if k or self.zero_rounds < self.probe_due():
             return k
         # Occasionally try a short block, or a draft that improved would never be noticed.
         # Under load a probe costs more than its own round (it leaves the target's regrouped
@@ -458,10 +476,14 @@ class KController:
             # Drafted behind the verify pass and taken on a hit, without waiting: the draft
             # behind (``after_full_accept``) and the next round's use of its block both ask,
             # so it stays due until a probe block is verified (``observe``).
-            return 0 if now else 2
+            if now:
+                return 0
+            self.probing = True
+            return 2
         if after_full_accept:
             return k
         self.zero_rounds = 0
+        self.probing = True
         return 2
 
 # A generation's lookup blocks start from this mean accepted tokens, or, while others run,
@@ -477,7 +499,8 @@ class LookupSizer:
     number of tokens this generation's lookup blocks had accepted (a decayed average: their
     acceptance is bimodal, a copied span or a miss at once, so no per-token model), it beats
     the verify pass of a round without it; else none, but for a probe every PROBE_EVERY
-    rounds (times the sessions in the target's passes, under load). A lookup costs no draft
+    rounds (times the sessions in the target's passes, under load, and doubled after each
+    probe that does not pay, up to PROBE_BACKOFF_MAX). A lookup costs no draft
     call: only the longer verify pass is weighed."""
 
     def __init__(self, costs: Costs, size: int, prior_accepted: float = LOOKUP_PRIOR,
@@ -491,6 +514,8 @@ class LookupSizer:
         self.decay = decay
         self.pool = pool
         self.skipped = 0
+        self.backoff = 1  # as KController's: each probe that does not pay doubles the wait
+        self.probing = False
 
     def rate(self) -> float:
         """Expected tokens per millisecond of a round with a lookup block of ``size``."""
@@ -505,8 +530,9 @@ class LookupSizer:
         if self.worth_it():
             return self.max_size
         self.skipped += 1
-        if self.skipped >= self.costs.probe_every():
+        if self.skipped >= self.costs.probe_every() * self.backoff:
             self.skipped = 0
+            self.probing = True
             return self.max_size
         return 0
 
@@ -514,6 +540,9 @@ class LookupSizer:
         self.mean_accepted = self.decay * self.mean_accepted + (1 - self.decay) * accepted
         if self.pool is not None:
             self.pool.observe(accepted)
+        if self.probing:
+            self.probing = False
+            self.backoff = 1 if self.worth_it() else min(2 * self.backoff, PROBE_BACKOFF_MAX)
 
 
 class LookupPool:

@@ -232,7 +232,8 @@ def test_under_load_a_probe_is_drafted_behind_and_stays_due_until_a_block_is_ver
         ctl.observe(ctl.next_k(), 0)
     ctl.observe(2, 0)  # (a probe just verified)
     assert ctl.best_k() == 0
-    due = int(ctl.costs.probe_every())
+    due = int(ctl.probe_due())
+    assert due == int(ctl.costs.probe_every()) * ctl.backoff and ctl.backoff > 1
     for _ in range(due):
         assert ctl.next_k(after_full_accept=True) == 0 and ctl.next_k() == 0
         ctl.observe(0, 0)
@@ -254,24 +255,41 @@ def test_a_flat_pass_keeps_speculation_under_load_where_the_cache_holds_the_verd
     assert sequential.miss_rate(2, 0.7) == 1.0 and sequential.best_k(0.7) == 0
 
 
-def test_probes_of_a_draft_that_never_pays_grow_rarer_under_load():
-    """A draft whose blocks are never accepted is probed every PROBE_EVERY rounds alone, and
-    every PROBE_EVERY * B rounds while the target's passes hold B sessions."""
-    def probes(batch: float) -> int:
+def test_probes_of_a_draft_that_never_pays_grow_rarer_under_load_and_after_each_miss():
+    """A draft whose blocks are never accepted is probed after PROBE_EVERY rounds at k = 0
+    alone, PROBE_EVERY * B while the target's passes hold B sessions, and each probe that
+    leaves speculation unpaid doubles the wait, up to PROBE_BACKOFF_MAX times."""
+    def gaps(batch: float) -> list[int]:
         costs = live()
         costs.target_batch = batch
         ctl = KController(CURVE, [3.0], costs=costs)
-        n = 0
-        for i in range(200 + 640):  # (the first 200: the prior acceptance wears off)
+        probes = []
+        for i in range(200 + 2000):  # (the first 200: the prior acceptance wears off)
             k = ctl.next_k()
-            n += k > 0 and i >= 200
+            if k and i >= 200:
+                probes.append(i)
             ctl.observe(k, 0)
-        return n
+        return [b - a for a, b in zip(probes, probes[1:])]
 
-    alone, loaded = probes(1.0), probes(8.0)
-    every = adaptive.PROBE_EVERY + 1  # rounds at k = 0, then the probe
-    assert 640 // every - 1 <= alone <= 640 // every + 1
-    assert 640 // (8 * every) - 1 <= loaded <= 640 // (8 * every) + 1
+    top = adaptive.PROBE_BACKOFF_MAX * adaptive.PROBE_EVERY + 1  # rounds at k = 0, the probe
+    alone, loaded = gaps(1.0), gaps(8.0)
+    assert alone[-3:] == [top] * 3 and loaded[-1] == 8 * top - 7
+    assert all(b >= a for a, b in zip(alone, alone[1:]))  # the spacing only grows
+
+
+def test_a_probe_that_pays_brings_the_probes_back_to_their_first_spacing():
+    """After probes that did not pay (the backoff at its cap), one whose block is accepted
+    makes blocks pay again and the backoff returns to 1."""
+    ctl = KController(CURVE, [3.0], costs=live())
+    for _ in range(1500):
+        ctl.observe(ctl.next_k(), 0)
+    assert ctl.backoff == adaptive.PROBE_BACKOFF_MAX
+    while not (k := ctl.next_k()):
+        ctl.observe(0, 0)
+    for _ in range(30):  # the probe, and the text turns easy: whole blocks accepted
+        ctl.observe(k, k)
+        k = ctl.next_k() or 2
+    assert ctl.best_k() > 0 and ctl.backoff == 1
 
 
 def test_rejection_sampled_requests_keep_the_calibrated_costs():
@@ -310,7 +328,8 @@ def test_prompt_lookup_stops_when_its_blocks_are_rejected_and_probes_now_and_the
         sizes.append(size)
         if size:
             sizer.observe(0)
-    assert sizes[-32:].count(8) == 2 and sizes[-32:].count(0) == 30  # probes only
+    assert sizes[-32:].count(8) == 1 and sizes[-32:].count(0) == 31  # probes only
+    assert sizer.backoff == 2  # (the probe after 16 rounds did not pay: the next after 32)
     for _ in range(10):  # the probes start hitting: a copied span, accepted whole
         sizer.observe(8)
     assert sizer.size() == 8
@@ -323,14 +342,22 @@ def test_prompt_lookup_stops_when_its_blocks_are_rejected_and_probes_now_and_the
 def test_prompt_lookup_probes_grow_rarer_under_load():
     """A probe's 8 tokens lengthen the pass every session shares: while the target's passes
     hold B sessions, a lookup that does not pay is probed every PROBE_EVERY * B rounds."""
-    def probes(batch: float) -> int:
+    def probes(batch: float) -> list[int]:
         costs = live()
         costs.target_batch = batch
         sizer = LookupSizer(costs, 8, prior_accepted=0.0)
-        return sum(sizer.size() > 0 for _ in range(640))
+        out = []
+        for i in range(4000):
+            if sizer.size():
+                out.append(i)
+                sizer.observe(0)
+        return out
 
-    assert probes(1.0) == 640 // adaptive.PROBE_EVERY
-    assert probes(8.0) == 640 // (8 * adaptive.PROBE_EVERY)
+    every, top = adaptive.PROBE_EVERY, adaptive.PROBE_EVERY * adaptive.PROBE_BACKOFF_MAX
+    alone, loaded = probes(1.0), probes(8.0)
+    assert alone[:4] == [every - 1, 3 * every - 1, 7 * every - 1, 15 * every - 1]
+    assert [b - a for a, b in zip(alone, alone[1:])][-3:] == [top] * 3
+    assert loaded[:2] == [8 * every - 1, 24 * every - 1]
 
 
 def test_a_new_generation_can_start_from_the_acceptance_its_predecessors_saw(monkeypatch):
