@@ -30,13 +30,16 @@ def test_blocks_decode_to_what_the_gguf_package_dequantizes(kind):
 
 
 @needs_smallm
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("out_features", [1, 15, 37, 100])
-def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(threads, out_features):
-    """sd_linear_g against sd_linear on the dequantized weight: identical for every row count
-    up to two chunks of 8, ragged panels, both thread shares, with a bias."""
+def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(bits, threads, out_features):
+    """sd_linear_g (8-bit codes) and sd_linear_g4 (0..15, two per byte) against sd_linear on
+    the dequantized weight: identical for every row count up to two chunks of 8, ragged
+    panels, both thread shares, with a bias."""
     gen = torch.Generator().manual_seed(out_features)
-    q = torch.randint(-127, 128, (out_features, 96), generator=gen, dtype=torch.int8)
+    lo, hi = (-127, 128) if bits == 8 else (0, 16)
+    q = torch.randint(lo, hi, (out_features, 96), generator=gen, dtype=torch.int8)
     d = torch.rand(out_features, 3, generator=gen).half().float() / 64
     m = torch.randn(out_features, 3, generator=gen).half().float()
     codes = GroupedCodes(q, d, m)
@@ -44,7 +47,8 @@ def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(threads, out
     b = torch.randn(out_features, generator=gen)
     plan = KernelPlan.fixed(SMALLM)
     fp32, grouped = Linear(w, b, plan), Linear(w, b, plan, codes)
-    assert grouped.panels is None and grouped.grouped.dtype == torch.int8
+    assert grouped.panels is None and grouped.bits == bits
+    assert grouped.grouped.numel() == grouped.dm.shape[0] * 96 * grouped.panel * bits // 8
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -105,8 +109,9 @@ def test_the_default_target_on_its_codes_is_the_float32_target_bit_for_bit(threa
         model, _ = load_hf_model("default")
         fp32 = LlamaEngine.from_hf(model, "cpu", "smallm")
         coded = LlamaEngine.from_hf(model, "cpu", "smallm", gguf=default_gguf_path())
-        assert all(layer[n].grouped is not None for layer in coded.layers
-                   for n in ("qkv", "o", "gate_up", "down")) and coded.head.grouped is not None
+        # (the layers are Q4_1: 4-bit codes; the tied embedding and head Q8_0: 8-bit)
+        assert all(layer[n].bits == 4 for layer in coded.layers
+                   for n in ("qkv", "o", "gate_up", "down")) and coded.head.bits == 8
         for whole in (True, False):
             outs = []
             for engine in (fp32, coded):

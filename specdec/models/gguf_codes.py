@@ -1,11 +1,12 @@
-"""A GGUF target's weights as the file stores them: grouped int8 codes, exactly.
+"""A GGUF target's weights as the file stores them: grouped codes, exactly.
 
 transformers dequantizes a GGUF file to float32 (``hub.convert_gguf``), and that float32 model
 is the target. But Q8_0, Q4_0 and Q4_1 blocks dequantize as ``d * q + m`` per block of 32
 weights along a row (an fp16 ``d`` and ``m``, a code ``q`` of at most 8 bits), and ``d * q`` is
 exact in float32, so smallm can form each weight in registers, bit for bit, from the codes
-(``sd_linear_g``): the same products summed in the same order as on the float32 weight, from
-1 + 1/4 bytes per weight instead of 4. On a memory-bound CPU that is most of a decode step.
+(``sd_linear_g``, ``sd_linear_g4`` for 4-bit codes, two per byte): the same products summed
+in the same order as on the float32 weight, from 1/2 + 1/4 bytes per weight (Q4_0, Q4_1) or
+1 + 1/4 (Q8_0) instead of 4. On a memory-bound CPU that is most of a decode step.
 
 The engine's weights are fused and reordered (q, k and v rows in one matrix; llama.cpp's
 rotary permutation of q and k undone), so the codes are matched to them by row: every
@@ -44,9 +45,8 @@ def _blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndar
         qs = b[:, :, size - 16:]
         # element i of a block: the low nibble of byte i; element i + 16: its high nibble
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=2).astype(np.int8)
-        if kind == "Q4_0":
-            q -= 8
-            m = np.zeros_like(d)
+        if kind == "Q4_0":  # d * (q - 8) = d * q + (-8 d), each exact: codes stay 0..15
+            m = -8.0 * d
         else:
             m = b[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
     return q.reshape(rows, -1), d, m

@@ -529,7 +529,8 @@ class _Lin(ctypes.Structure):
     """layerops.c's sd_lin: one linear layer as smallm runs it."""
 
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("k", ctypes.c_long), ("n", ctypes.c_long), ("dm", ctypes.c_void_p)]
+                ("k", ctypes.c_long), ("n", ctypes.c_long), ("dm", ctypes.c_void_p),
+                ("bits", ctypes.c_long)]
 
 
 class _Layer(ctypes.Structure):
@@ -550,7 +551,8 @@ def _layer_structs(layers: list[dict], windows: list[int | None]):
         scale = linear.scale if isinstance(linear, Int8Linear) else None
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         return _Lin(panels.data_ptr(), ptr(scale), ptr(linear.bias), linear.in_features,
-                    linear.out_features, ptr(getattr(linear, "dm", None)))
+                    linear.out_features, ptr(getattr(linear, "dm", None)),
+                    getattr(linear, "bits", 0))
 
     out, keep, panel = (_Layer * len(layers))(), [], 0
     for i, (layer, window) in enumerate(zip(layers, windows)):

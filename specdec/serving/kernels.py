@@ -127,6 +127,8 @@ def smallm_library() -> tuple[ctypes.CDLL, int] | None:
     lib.sd_linear_q8.restype = None
     lib.sd_linear_g.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
     lib.sd_linear_g.restype = None
+    lib.sd_linear_g4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+    lib.sd_linear_g4.restype = None
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     lib.sd_add_rms_norm.argtypes = [ptr] * 4 + [i32, i32, f32]
     lib.sd_attend.argtypes = [ptr, i32, i32, ptr, ptr, ptr, ptr, i64, i32, i32, f32, i32, i32,
@@ -172,6 +174,11 @@ class GroupedCodes:
     d: torch.Tensor  # float32 [out, in / GROUP]
     m: torch.Tensor  # float32 [out, in / GROUP]
 
+    @property
+    def bits(self) -> int:
+        """4 where every code is 0..15 (Q4_0 / Q4_1: smallm streams two per byte), else 8."""
+        return 4 if int(self.q.min()) >= 0 and int(self.q.max()) <= 15 else 8
+
     def dequantize(self) -> torch.Tensor:
         """The weight they encode, computed as smallm computes it (d * q is exact)."""
         n, k = self.q.shape
@@ -179,13 +186,18 @@ class GroupedCodes:
         return (self.d[:, :, None] * q + self.m[:, :, None]).view(n, k)
 
 
-def pack_groups(codes: GroupedCodes, panel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the codes in smallm's panels, the groups' d and m as [panels, in / GROUP, 2, panel])."""
+def pack_groups(codes: GroupedCodes, panel: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the codes in smallm's panels: int8, or 4-bit two k per byte, the even k in the low
+    nibble; the groups' d and m as [panels, in / GROUP, 2, panel]; the codes' bits)."""
     n, groups = codes.d.shape
     dm = torch.zeros(-(-n // panel) * panel, groups, 2)
     dm[:n, :, 0], dm[:n, :, 1] = codes.d, codes.m
     dm = dm.view(-1, panel, groups, 2).permute(0, 2, 3, 1).contiguous()
-    return pack_panels(codes.q, panel), dm
+    panels, bits = pack_panels(codes.q, panel), codes.bits
+    if bits == 4:
+        u = panels.to(torch.uint8)
+        panels = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
+    return panels, dm, bits
 
 
 def prepack_available(device: torch.device) -> bool:
@@ -278,6 +290,7 @@ class Linear:
         self.panels: torch.Tensor | None = None
         self.grouped: torch.Tensor | None = None
         self.dm: torch.Tensor | None = None
+        self.bits = 0
         kernels = plan.used() if plan is not None else {MKL}
         if MKL_T in kernels:
             self.transposed = self.plain.t().contiguous()
@@ -286,7 +299,7 @@ class Linear:
         if SMALLM in kernels:
             self.lib, self.panel = smallm_library()
             if codes is not None and self.in_features % GROUP == 0:
-                self.grouped, self.dm = pack_groups(codes, self.panel)
+                self.grouped, self.dm, self.bits = pack_groups(codes, self.panel)
             else:
                 self.panels = pack_panels(self.plain, self.panel)
             self.bias = None if bias is None else bias.contiguous()
@@ -311,10 +324,10 @@ class Linear:
                              f"{tuple(x.shape)} {x.dtype}")
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
         if self.grouped is not None:
-            self.lib.sd_linear_g(x.data_ptr(), self.grouped.data_ptr(), self.dm.data_ptr(),
-                                 None if self.bias is None else self.bias.data_ptr(),
-                                 y.data_ptr(), x.shape[0], self.in_features, self.out_features,
-                                 self.panel, torch.get_num_threads())
+            fn = self.lib.sd_linear_g4 if self.bits == 4 else self.lib.sd_linear_g
+            fn(x.data_ptr(), self.grouped.data_ptr(), self.dm.data_ptr(),
+               None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), x.shape[0],
+               self.in_features, self.out_features, self.panel, torch.get_num_threads())
             return y
         self.lib.sd_linear(x.data_ptr(), self.panels.data_ptr(),
                            None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),

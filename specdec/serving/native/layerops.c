@@ -87,14 +87,18 @@ void sd_linear_q8(const float *x, const signed char *wq, const float *scale, con
                   float *y, int M, int K, int N, int panel, int threads);
 void sd_linear_g(const float *x, const signed char *wq, const float *dm, const float *bias,
                  float *y, int M, int K, int N, int panel, int threads);
+void sd_linear_g4(const float *x, const unsigned char *wq, const float *dm, const float *bias,
+                  float *y, int M, int K, int N, int panel, int threads);
 
 // One linear layer on smallm: its packed panels, column scales (int8 weights) or groups' d and
-// m (grouped int8 codes; both NULL: float32), bias (or NULL), input and output widths.
+// m (grouped codes of ``bits`` 8 or 4; both NULL: float32), bias (or NULL), input and output
+// widths.
 typedef struct {
   const void *w;
   const float *scale, *bias;
   long k, n;
   const float *dm;
+  long bits;
 } sd_lin;
 
 // One decoder layer: its norms' weights, its four linear layers, its attention window (0: all).
@@ -105,7 +109,9 @@ typedef struct {
 } sd_layer;
 
 static void lin(const sd_lin *l, const float *x, float *y, int n, int panel, int threads) {
-  if (l->dm)
+  if (l->dm && l->bits == 4)
+    sd_linear_g4(x, l->w, l->dm, l->bias, y, n, (int)l->k, (int)l->n, panel, threads);
+  else if (l->dm)
     sd_linear_g(x, l->w, l->dm, l->bias, y, n, (int)l->k, (int)l->n, panel, threads);
   else if (l->scale)
     sd_linear_q8(x, l->w, l->scale, l->bias, y, n, (int)l->k, (int)l->n, panel, threads);

@@ -57,7 +57,7 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
 // J panels at a time (1, 2, 4 or 8) for a block of mb rows: mb * J accumulators in registers
 // (AVX-512: 32 of them, AVX2: 16), as many as fit beside the J weight vectors; a tail of
 // fewer panels in the largest of those that fit (7: four, two, one).
-#define KERNEL(NAME, BLOCKFN, TARGET, WT, P, JFOR)                                         \
+#define KERNEL(NAME, BLOCKFN, TARGET, WT, P, JFOR, KDIV)                                   \
 __attribute__((target(TARGET))) static void NAME(                                          \
     const float *x, const WT *wp, const float *dm, const float *scale, const float *bias,  \
     float *y, int M, int K, int N, int ldy) {                                              \
@@ -69,7 +69,7 @@ __attribute__((target(TARGET))) static void NAME(                               
     int J = JFOR(mb);                                                                      \
     for (int p0 = 0, jb = J; p0 < panels; p0 += jb) {                                      \
       while (jb > panels - p0) jb /= 2;                                                    \
-      const WT *w0 = wp + (long)p0 * K * P;                                                \
+      const WT *w0 = wp + (long)p0 * (K / KDIV) * P;                                       \
       const float *d0 = dm ? dm + (long)p0 * (K / SD_GROUP) * 2 * P : 0;                   \
       switch (mb * 16 + jb) { /* constant shapes, so the loops unroll */                   \
         CASES(BLOCKFN, 1) CASES(BLOCKFN, 2) CASES(BLOCKFN, 3) CASES(BLOCKFN, 4)            \
@@ -131,6 +131,47 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
     for (int j = 0; j < J; j++) STORE(out + (a * 8 + j) * P, acc[a][j]);                   \
 }
 
+// 4-bit codes (sd_linear_g4: a GGUF file's Q4_0 / Q4_1 blocks, codes 0..15): two consecutive
+// k of a panel's P columns in P bytes, k even in the low nibble and k + 1 in the high one,
+// half the 8-bit codes' bytes; each weight formed and summed as in BLOCKG, in the same order.
+#define BLOCKG4(NAME, TARGET, VEC, IVEC, P, LOADB, AND, SRLI, SET1I, CVT, LOADF, SET1, MUL, ADD,\
+                FMA, ZERO, STORE, PFMASK)                                                  \
+__attribute__((target(TARGET), always_inline)) static inline void NAME(                     \
+    const float *x, const unsigned char *w0, const float *dm0, float *out, int K,         \
+    const int MB, const int J) {                                                           \
+  VEC acc[8][8];                                                                           \
+  const long groups = K / SD_GROUP;                                                        \
+  const IVEC low = SET1I(15);                                                              \
+  for (int a = 0; a < MB; a++)                                                             \
+    for (int j = 0; j < J; j++) acc[a][j] = ZERO;                                          \
+  for (long g = 0; g < groups; g++) {                                                      \
+    VEC dv[8], mv[8];                                                                      \
+    for (int j = 0; j < J; j++) {                                                          \
+      const float *dm = dm0 + ((long)j * groups + g) * 2 * P;                              \
+      dv[j] = LOADF(dm);                                                                   \
+      mv[j] = LOADF(dm + P);                                                               \
+    }                                                                                      \
+    for (long k = g * SD_GROUP; k < (g + 1) * SD_GROUP; k += 2) {                          \
+      const unsigned char *w = w0 + (k / 2) * P;                                           \
+      VEC lo[8], hi[8];                                                                    \
+      for (int j = 0; j < J; j++) {                                                        \
+        IVEC b = LOADB(w + (long)j * (K / 2) * P);                                         \
+        lo[j] = ADD(MUL(dv[j], CVT(AND(b, low))), mv[j]);                                  \
+        hi[j] = ADD(MUL(dv[j], CVT(SRLI(b, 4))), mv[j]);                                   \
+        if (((k / 2) & (PFMASK)) == 0)                                                     \
+          _mm_prefetch((const char *)(w + (long)j * (K / 2) * P) + PREFETCH_Q8_BYTES,     \
+                       _MM_HINT_T0);                                                       \
+      }                                                                                    \
+      for (int a = 0; a < MB; a++) {                                                       \
+        VEC x0 = SET1(x[(long)a * K + k]), x1 = SET1(x[(long)a * K + k + 1]);              \
+        for (int j = 0; j < J; j++) acc[a][j] = FMA(x1, hi[j], FMA(x0, lo[j], acc[a][j])); \
+      }                                                                                    \
+    }                                                                                      \
+  }                                                                                        \
+  for (int a = 0; a < MB; a++)                                                             \
+    for (int j = 0; j < J; j++) STORE(out + (a * 8 + j) * P, acc[a][j]);                   \
+}
+
 #define J512(mb) ((mb) <= 4 ? 4 : 2)
 #define J256(mb) ((mb) <= 2 ? 4 : (mb) <= 4 ? 2 : 1)
 
@@ -154,12 +195,24 @@ BLOCKG(blockg512, "avx512f", __m512, 16, LOADQ512, _mm512_loadu_ps, _mm512_set1_
 BLOCKG(blockg256, "avx2,fma", __m256, 8, LOADQ256, _mm256_loadu_ps, _mm256_set1_ps,
        _mm256_mul_ps, _mm256_add_ps, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_storeu_ps,
        PREFETCH_Q8_BYTES, 7)
-KERNEL(linear512, block512, "avx512f", float, 16, J512)
-KERNEL(linear256, block256, "avx2,fma", float, 8, J256)
-KERNEL(linearq512, blockq512, "avx512f", signed char, 16, JQ512)
-KERNEL(linearq256, blockq256, "avx2,fma", signed char, 8, J256)
-KERNEL(linearg512, blockg512, "avx512f", signed char, 16, JQ512)
-KERNEL(linearg256, blockg256, "avx2,fma", signed char, 8, J256)
+#define LOADB512(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define LOADB256(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+BLOCKG4(blockg4_512, "avx512f", __m512, __m512i, 16, LOADB512, _mm512_and_si512,
+        _mm512_srli_epi32, _mm512_set1_epi32, _mm512_cvtepi32_ps, _mm512_loadu_ps,
+        _mm512_set1_ps, _mm512_mul_ps, _mm512_add_ps, _mm512_fmadd_ps, _mm512_setzero_ps(),
+        _mm512_storeu_ps, 3)
+BLOCKG4(blockg4_256, "avx2,fma", __m256, __m256i, 8, LOADB256, _mm256_and_si256,
+        _mm256_srli_epi32, _mm256_set1_epi32, _mm256_cvtepi32_ps, _mm256_loadu_ps,
+        _mm256_set1_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_fmadd_ps, _mm256_setzero_ps(),
+        _mm256_storeu_ps, 7)
+KERNEL(linear512, block512, "avx512f", float, 16, J512, 1)
+KERNEL(linear256, block256, "avx2,fma", float, 8, J256, 1)
+KERNEL(linearq512, blockq512, "avx512f", signed char, 16, JQ512, 1)
+KERNEL(linearq256, blockq256, "avx2,fma", signed char, 8, J256, 1)
+KERNEL(linearg512, blockg512, "avx512f", signed char, 16, JQ512, 1)
+KERNEL(linearg256, blockg256, "avx2,fma", signed char, 8, J256, 1)
+KERNEL(linearg4_512, blockg4_512, "avx512f", unsigned char, 16, JQ512, 2)
+KERNEL(linearg4_256, blockg4_256, "avx2,fma", unsigned char, 8, J256, 2)
 
 // The panel width this CPU's kernel reads: 16 (AVX-512), 8 (AVX2 + FMA), 0 (neither).
 int sd_panel(void) {
@@ -169,10 +222,15 @@ int sd_panel(void) {
   return 0;
 }
 
-// dm: grouped int8 codes; else scale: int8 weights and their column scales; else float32.
-static void linear(const float *x, const void *wp, const float *dm, const float *scale,
-                   const float *bias, float *y, int M, int K, int N, int ldy, int panel) {
-  if (dm) {
+// dm: grouped codes (bits 4 or 8); else scale: int8 weights and their column scales; else
+// float32.
+static void linear(const float *x, const void *wp, int bits, const float *dm,
+                   const float *scale, const float *bias, float *y, int M, int K, int N,
+                   int ldy, int panel) {
+  if (dm && bits == 4) {
+    if (panel == 16) linearg4_512(x, wp, dm, 0, bias, y, M, K, N, ldy);
+    else if (panel == 8) linearg4_256(x, wp, dm, 0, bias, y, M, K, N, ldy);
+  } else if (dm) {
     if (panel == 16) linearg512(x, wp, dm, 0, bias, y, M, K, N, ldy);
     else if (panel == 8) linearg256(x, wp, dm, 0, bias, y, M, K, N, ldy);
   } else if (scale) {
@@ -184,7 +242,7 @@ static void linear(const float *x, const void *wp, const float *dm, const float 
   }
 }
 
-static void run(const float *x, const void *wp, int wsize, const float *dm, const float *scale,
+static void run(const float *x, const void *wp, int bits, const float *dm, const float *scale,
                 const float *bias, float *y, int M, int K, int N, int panel, int threads) {
 #ifdef _OPENMP
   int panels = (N + panel - 1) / panel;
@@ -196,7 +254,7 @@ static void run(const float *x, const void *wp, int wsize, const float *dm, cons
       int p0 = t * per, p1 = p0 + per < panels ? p0 + per : panels;
       if (p0 < p1) {
         int c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
-        linear(x, (const char *)wp + (long)p0 * K * panel * wsize,
+        linear(x, (const char *)wp + (long)p0 * K * panel * bits / 8, bits,
                dm ? dm + (long)p0 * (K / SD_GROUP) * 2 * panel : 0, scale ? scale + c0 : 0,
                bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N, panel);
       }
@@ -205,7 +263,7 @@ static void run(const float *x, const void *wp, int wsize, const float *dm, cons
   }
 #endif
   (void)threads;
-  linear(x, wp, dm, scale, bias, y, M, K, N, N, panel);
+  linear(x, wp, bits, dm, scale, bias, y, M, K, N, N, panel);
 }
 
 // x: [M, K] and y: [M, N] row-major float32; wp packed for ``panel`` (sd_panel's); bias or NULL.
@@ -213,20 +271,26 @@ static void run(const float *x, const void *wp, int wsize, const float *dm, cons
 // panels are split between the threads in runs of 4, each streaming its share of the weight.
 void sd_linear(const float *x, const float *wp, const float *bias, float *y, int M, int K,
                int N, int panel, int threads) {
-  run(x, wp, sizeof(float), 0, 0, bias, y, M, K, N, panel, threads);
+  run(x, wp, 32, 0, 0, bias, y, M, K, N, panel, threads);
 }
 
 // The same with int8 weights wq (packed as sd_linear's) and y[:, n] scaled by scale[n].
 void sd_linear_q8(const float *x, const signed char *wq, const float *scale, const float *bias,
                   float *y, int M, int K, int N, int panel, int threads) {
-  run(x, wq, 1, 0, scale, bias, y, M, K, N, panel, threads);
+  run(x, wq, 8, 0, scale, bias, y, M, K, N, panel, threads);
 }
 
 // The same with grouped int8 codes wq (packed as sd_linear's) and their groups' d and m (dm,
 // see BLOCKG); K a multiple of SD_GROUP. Bit-identical to sd_linear on d * q + m.
 void sd_linear_g(const float *x, const signed char *wq, const float *dm, const float *bias,
                  float *y, int M, int K, int N, int panel, int threads) {
-  run(x, wq, 1, dm, 0, bias, y, M, K, N, panel, threads);
+  run(x, wq, 8, dm, 0, bias, y, M, K, N, panel, threads);
+}
+
+// The same with 4-bit codes 0..15, two k per byte (see BLOCKG4).
+void sd_linear_g4(const float *x, const unsigned char *wq, const float *dm, const float *bias,
+                  float *y, int M, int K, int N, int panel, int threads) {
+  run(x, wq, 4, dm, 0, bias, y, M, K, N, panel, threads);
 }
 
 // Whether this build splits calls between threads (built with OpenMP).
