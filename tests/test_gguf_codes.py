@@ -60,12 +60,9 @@ def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(bits, thread
         torch.set_num_threads(before)
 
 
-def test_a_weight_the_codes_do_not_encode_exactly_keeps_its_float32(tmp_path):
-    """exact_codes matches rows by their bytes and checks the whole weight: a weight with one
-    changed element, or one that is not in the file, gets no codes."""
+def _small_gguf(tmp_path):
+    """A GGUF file of two tensors (Q4_1, Q8_0) and their dequantized weights."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
-
-    from specdec.models.gguf_codes import exact_codes
 
     rng = np.random.default_rng(1)
     path = tmp_path / "m.gguf"
@@ -81,6 +78,16 @@ def test_a_weight_the_codes_do_not_encode_exactly_keeps_its_float32(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path, deq
+
+
+def test_a_weight_the_codes_do_not_encode_exactly_keeps_its_float32(tmp_path, monkeypatch):
+    """exact_codes matches rows by their bytes and checks the whole weight: a weight with one
+    changed element, or one that is not in the file, gets no codes."""
+    from specdec.models.gguf_codes import exact_codes
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    path, deq = _small_gguf(tmp_path)
     changed = deq["b"].clone()
     changed[3, 7] = torch.nextafter(changed[3, 7], torch.tensor(9.0))
     weights = {"layers.0.wqkv": torch.cat([deq["a"][4:], deq["b"][:3]]),  # rows of both
@@ -126,3 +133,25 @@ def test_the_default_target_on_its_codes_is_the_float32_target_bit_for_bit(threa
                 assert all(torch.equal(x, y) for x, y in zip(a, b))
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_codes_are_cached_and_a_stale_cache_is_read_again(tmp_path, monkeypatch):
+    """The second load reads the codes from the cache beside the converted model; a cached
+    weight that no longer encodes the model's weight is not used: the file is read again."""
+    from specdec.models import gguf_codes
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    path, deq = _small_gguf(tmp_path)
+    weights = {"layers.0.wo": deq["a"], "head": deq["b"]}
+    first = gguf_codes.exact_codes(path, weights)
+    cached = list((tmp_path / "cache").rglob(gguf_codes.CACHE_FILE))
+    assert sorted(first) == ["head", "layers.0.wo"] and len(cached) == 1
+    reads = []
+    real = gguf_codes._read_codes
+    monkeypatch.setattr(gguf_codes, "_read_codes", lambda *a: reads.append(1) or real(*a))
+    assert sorted(gguf_codes.exact_codes(path, weights)) == sorted(first) and not reads
+    stored = torch.load(cached[0], weights_only=True)
+    stored["head"][0][0, 0] += 1  # a stale code
+    torch.save(stored, cached[0])
+    again = gguf_codes.exact_codes(path, weights)
+    assert reads == [1] and torch.equal(again["head"].dequantize(), deq["b"])

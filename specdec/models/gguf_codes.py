@@ -19,6 +19,7 @@ its float32 path.
 from __future__ import annotations
 
 import logging
+import os
 import pathlib
 
 import numpy as np
@@ -52,10 +53,42 @@ def _blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndar
     return q.reshape(rows, -1), d, m
 
 
+CACHE_FILE = "codes.pt"  # beside the file's converted model (hub.convert_gguf's directory)
+
+
 def exact_codes(gguf: str | pathlib.Path, weights: dict[str, torch.Tensor]
                 ) -> dict[str, GroupedCodes]:
     """Grouped codes for every linear weight of ``weights`` (canonical names) that the GGUF
-    file's Q8_0 / Q4_0 / Q4_1 blocks encode exactly; {} if none do."""
+    file's Q8_0 / Q4_0 / Q4_1 blocks encode exactly; {} if none do. Read once from the file
+    (~6 s for the default target, most of it gguf's parsing of the tokenizer's fields) and
+    cached beside its converted model; a cached weight is checked against ``weights`` again."""
+    from specdec.models.hub import _gguf_cache_dir
+
+    cache = _gguf_cache_dir(pathlib.Path(gguf)) / CACHE_FILE
+    if cache.is_file():
+        try:
+            stored = torch.load(cache, weights_only=True)
+        except (OSError, RuntimeError) as exc:
+            log.warning("ignoring the unreadable codes cache %s (%s)", cache, exc)
+        else:
+            codes = {name: GroupedCodes(*parts) for name, parts in stored.items()
+                     if name in weights and torch.equal(GroupedCodes(*parts).dequantize(),
+                                                        weights[name].float())}
+            if len(codes) == len(stored):
+                return codes
+    codes = _read_codes(gguf, weights)
+    try:  # (a temporary name and a rename: services starting together never read half)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        torch.save({name: (c.q, c.d, c.m) for name, c in codes.items()}, tmp)
+        os.replace(tmp, cache)
+    except OSError as exc:
+        log.warning("could not cache the GGUF codes in %s (%s)", cache, exc)
+    return codes
+
+
+def _read_codes(gguf: str | pathlib.Path, weights: dict[str, torch.Tensor]
+                ) -> dict[str, GroupedCodes]:
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf))
