@@ -151,10 +151,15 @@ class Orchestrator:
         # at ~0.95, costs half a target step, where 0.5 is its break-even, and started each
         # generation at k = 0 until a probe: measured on separate cores, 3 chat prompts, 18
         # target-only rounds first and k mean 0.68 instead of ~1).
+        # Where the draft shares the target's cores, alone too: there an optimistic start is
+        # no longer cheap (the first draft call prefills the prompt on the cores the target's
+        # steps need, and with the target on its GGUF codes a step is ~9 ms): measured on 2
+        # shared cores, the shipped draft's chat prompts ran at 0.95x target-only with it.
         pool = self.acceptance if req.sampling.drafter_invariant else None
         prior = PRIOR_A
         if pool is not None:
-            prior = pool.prior() if self.active > 0 else max(PRIOR_A, pool.prior())
+            prior = pool.prior() if self.active > 0 or self.shared_cores else \
+                max(PRIOR_A, pool.prior())
         return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
                            pipelined=req.mode == "pipelined", costs=costs, prior_a=prior,
                            pool=pool, running=lambda: self.active)
@@ -175,7 +180,8 @@ class Orchestrator:
         # As the draft's acceptance (_controller): the pool only where lookups cannot change
         # the text, as the prior only while other generations run.
         pool = self.lookups if req.sampling.drafter_invariant else None
-        prior = pool.prior() if pool is not None and self.active > 0 else LOOKUP_PRIOR
+        prior = pool.prior() if pool is not None and (self.active > 0 or self.shared_cores) \
+            else LOOKUP_PRIOR
         return LookupSizer(self._costs(req), LOOKUP_MAX_TOKENS, prior, pool=pool)
 
     async def generate(self, req: GenerationRequest) -> GenerationResult:

@@ -507,3 +507,33 @@ def test_the_guess_is_costed_at_the_verdicts_it_held_not_only_at_a_geometric_gue
     for _ in range(40):
         ctl.observe_guess(3, True)
     assert ctl.guess_hit(3, 0.94) > 0.7 and ctl.drafts_guess(3)
+
+
+def test_on_shared_cores_a_lone_generation_starts_from_what_its_predecessors_saw():
+    """Alone, a generation starts from max(PRIOR_A, the pool's acceptance) where the draft
+    has its own hardware (an optimistic start hides behind the verify pass), but from the
+    pool where the draft shares the target's cores; lookups likewise. Only for requests
+    whose text k cannot change."""
+    from orchestrator.generation import GenerationRequest
+    from orchestrator.loop import Orchestrator
+    from specdec.config import SamplingParams
+
+    class Info:
+        forward_ms = CURVE
+        drafter = "model"
+
+    class Client:
+        info = Info()
+
+    orch = Orchestrator(Client(), Client(), tokenizer=None, eos_ids=[], max_context=512)
+    for _ in range(40):  # recent generations: a draft that is rarely kept, lookups that miss
+        orch.acceptance.observe(2, 0)
+        orch.lookups.observe(0)
+    greedy = GenerationRequest([1], 8)
+    assert orch._controller(greedy).acceptance == adaptive.PRIOR_A
+    assert orch._lookup_sizer(greedy).mean_accepted == adaptive.LOOKUP_PRIOR
+    orch.shared_cores = True
+    assert orch._controller(greedy).acceptance < 0.1
+    assert orch._lookup_sizer(greedy).mean_accepted < 0.1
+    rejection = GenerationRequest([1], 8, SamplingParams(temperature=0.8, rule="rejection"))
+    assert orch._controller(rejection).acceptance == adaptive.PRIOR_A
