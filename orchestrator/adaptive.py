@@ -274,53 +274,17 @@ class Acceptance:
         return self.rate() if self.weight >= POOL_MIN_WEIGHT else PRIOR_A
 
 
-class RealizedRates:
-    """Tokens per millisecond that an orchestrator's rounds actually gave, with a block from
-    the draft and without one (decayed sums per kind, over its recent generations): the check
-    on the cost model. The model prices a round from calibrated and live call costs, but not
-    everything a drafted round costs shows in them (the draft's passes slowing the target's
-    through a shared memory system, the orchestrator's own work on the draft's core): with
-    the target on its GGUF codes (a step of ~11 ms on one core, a block of 2 ~13 ms), on
-    split cores, drafted rounds the model priced at ~1.1x gave pipelined generations 0.93x
-    target-only's throughput at N = 1 and 0.88x at N = 2 (medians of 2 sweeps). While the
-    drafted rounds give fewer tokens per ms than the others, adaptive k drafts only its
-    probes."""
-
-    MIN_ROUNDS = 6.0  # of each kind (decayed) before the rates are compared
-
-    def __init__(self, decay: float = 0.9):
-        self.decay = decay
-        self.tokens, self.ms, self.rounds = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
-
-    def observe(self, drafted: bool, tokens: int, ms: float) -> None:
-        """One round: whether its block came from the draft, the tokens it gave, its wall
-        time (from the last verdict to this one)."""
-        i, d = int(drafted), self.decay
-        self.tokens[i] = d * self.tokens[i] + tokens
-        self.ms[i] = d * self.ms[i] + ms
-        self.rounds[i] = d * self.rounds[i] + 1.0
-
-    def drafting_loses(self) -> bool:
-        if min(self.rounds) < self.MIN_ROUNDS or min(self.ms) <= 0.0:
-            return False
-        return self.tokens[1] / self.ms[1] < self.tokens[0] / self.ms[0]
-
-
 class KController:
     def __init__(self, target_ms: list[float], draft_ms: list[float], fixed_k: int | None = None,
                  pipelined: bool = False, prior_a: float = PRIOR_A,
                  prior_weight: float = PRIOR_WEIGHT, decay: float = 0.95,
                  k_max: int = ADAPTIVE_K_MAX, costs: Costs | None = None,
-                 pool: Acceptance | None = None, running: Callable[[], int] | None = None,
-                 realized: RealizedRates | None = None):
+                 pool: Acceptance | None = None, running: Callable[[], int] | None = None):
         """``pool``: the acceptance of the orchestrator's recent generations, told what this
         one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` while others
         run). ``running``: how many generations the orchestrator runs now, this one included
-        (the target's batch as the calls show it lags a few rounds behind). ``realized``: what
-        the orchestrator's rounds actually gave (``RealizedRates``), only where k cannot change
-        the text: while drafted rounds give less than the others, k is 0 but for probes."""
+        (the target's batch as the calls show it lags a few rounds behind)."""
         self.fixed_k = fixed_k
-        self.realized = realized
         self.running = running
         self.pipelined = pipelined
         self.k_max = min(k_max, max(len(target_ms) - 1, 1)) if target_ms else k_max
@@ -495,8 +459,6 @@ class KController:
         margin = LOAD_MARGIN * max(self.costs.target_batch - 1.0, 0.0)
         if k and self.rate(k, a, now) < (1.0 + margin) * self.rate(0, a, now):
             return 0  # under load, a gain within what the model leaves out is no gain
-        if k and self.realized is not None and self.realized.drafting_loses():
-            return 0  # what the model predicts, the rounds have not given
         return k
 
     def next_k(self, after_full_accept: bool = False, now: bool = False) -> int:

@@ -34,7 +34,6 @@ from orchestrator.adaptive import (
     LiveCosts,
     LookupPool,
     LookupSizer,
-    RealizedRates,
 )
 from orchestrator.generation import (
     Block,
@@ -122,7 +121,6 @@ class Orchestrator:
         # of the adaptive k of a generation that starts while others run (_controller).
         self.acceptance = Acceptance(decay=POOL_DECAY)
         self.lookups = LookupPool()  # ... and their lookup blocks' accepted tokens
-        self.realized = RealizedRates()  # ... and what their rounds gave, drafted or not
 
     def _calibrated_costs(self, kind: type[Costs] = Costs) -> Costs:
         """Costs from the services' start-up calibration (GetInfo.forward_ms)."""
@@ -164,8 +162,7 @@ class Orchestrator:
                 max(PRIOR_A, pool.prior())
         return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
                            pipelined=req.mode == "pipelined", costs=costs, prior_a=prior,
-                           pool=pool, running=lambda: self.active,
-                           realized=self.realized if pool is not None else None)
+                           pool=pool, running=lambda: self.active)
 
     def _branch_widths(self, req: GenerationRequest) -> BranchWidth | None:
         """The speculation cache's width control, for the requests that may branch: greedy
@@ -219,7 +216,7 @@ class Orchestrator:
         if pipeline is not None and pipeline.widths is not None and drafting.k_ctl is not None:
             drafting.k_ctl.branching = True  # k is costed with the cache's hit rate
         prompt_logprobs: list[TokenLogprob] = []
-        started = last = time.perf_counter()
+        started = time.perf_counter()
         carried: Block | None = None  # the next block, drafted during the last verify
         done = False
         self.active += 1
@@ -231,10 +228,6 @@ class Orchestrator:
                 rnd = await self._verify(session_id, history, block, req, stats)
                 stats.record(rnd)
                 drafting.learn(rnd)
-                now = time.perf_counter()
-                if stats.rounds > 1:  # (the first round is the prompt's prefill)
-                    drafting.timed(rnd, (now - last) * 1000.0)
-                last = now
                 prompt_logprobs = prompt_logprobs or rnd.prompt_logprobs
                 taken, delta, done = out.commit(rnd.tokens, rnd.logprobs)
                 history.extend(taken)
@@ -422,13 +415,6 @@ class _Drafting:
             return None
         orch._record(self.stats, rec)
         return list(resp.branches), rec
-
-    def timed(self, rnd: Round, ms: float) -> None:
-        """A round's wall time (verdict to verdict) for the realized rates: a block from the
-        draft model, or none (lookup rounds are the lookup sizer's to weigh)."""
-        realized = self.k_ctl.realized if self.k_ctl is not None else None
-        if realized is not None and rnd.block.source != "lookup":
-            realized.observe(bool(rnd.block.tokens), len(rnd.tokens), ms)
 
     def learn(self, rnd: Round) -> None:
         """The verdict teaches whoever drafted the block (the draft model's acceptance is

@@ -537,25 +537,3 @@ def test_on_shared_cores_a_lone_generation_starts_from_what_its_predecessors_saw
     assert orch._lookup_sizer(greedy).mean_accepted < 0.1
     rejection = GenerationRequest([1], 8, SamplingParams(temperature=0.8, rule="rejection"))
     assert orch._controller(rejection).acceptance == adaptive.PRIOR_A
-
-
-def test_while_drafted_rounds_give_fewer_tokens_per_ms_than_the_others_k_is_0_but_probes():
-    """The realized rates veto a block the cost model would draft: once each kind of round
-    has been seen often enough, drafted rounds slower per token than plain ones make best_k
-    0 (probes go on, with their backoff); drafted rounds that pay lift the veto."""
-    realized = adaptive.RealizedRates()
-    ctl = KController(CURVE, [3.0], costs=live(), prior_a=0.9, realized=realized)
-    assert ctl.best_k() > 0  # the model: a draft kept 90% of the time pays
-    for _ in range(10):
-        realized.observe(False, 1, 10.0)  # 0.1 tokens per ms without a block
-        realized.observe(True, 2, 25.0)  # 0.08 with one
-    assert realized.drafting_loses() and ctl.best_k() == 0
-    assert KController(CURVE, [3.0], costs=live(), prior_a=0.9).best_k() > 0  # (no check)
-    for _ in range(30):
-        realized.observe(True, 4, 25.0)  # 0.16: drafting pays after all
-    assert not realized.drafting_loses() and ctl.best_k() > 0
-    fresh = adaptive.RealizedRates()
-    for _ in range(5):  # too few rounds of each kind to tell
-        fresh.observe(False, 1, 10.0)
-        fresh.observe(True, 1, 50.0)
-    assert not fresh.drafting_loses()

@@ -470,23 +470,3 @@ def test_a_prompt_lookup_takes_a_round_only_where_it_beats_the_draft_models_bloc
         seen[name] = result.stats.lookup_rounds
     assert seen["perfect"] == 0
     assert seen["never right"] >= 1
-
-
-@pytest.mark.parametrize("mode", ["spec", "pipelined"])
-def test_the_rounds_wall_times_reach_the_realized_rates_and_a_losing_draft_stops(mode):
-    """Each round after the prefill is timed into the orchestrator's realized rates (drafted
-    or not); where they say drafting loses, an adaptive generation drafts only probes."""
-    target, draft = FakeTarget(), FakeDraft()
-    target.prompt_len = 3
-    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
-    req = GenerationRequest([5, 11, 23], 40, SamplingParams(), [], mode, None,
-                            prompt_lookup=False, branches=False)
-    first = asyncio.run(orch.generate(req))
-    assert sum(orch.realized.rounds) > 0 and orch.realized.ms[0] + orch.realized.ms[1] > 0
-    assert first.stats.draft_tokens > 0
-    for _ in range(20):  # drafted rounds that gave a tenth of the plain ones' rate
-        orch.realized.observe(True, 1, 100.0)
-        orch.realized.observe(False, 1, 10.0)
-    second = asyncio.run(orch.generate(req))
-    assert second.token_ids == first.token_ids
-    assert second.stats.draft_tokens <= 2 * 2  # a probe or two (k = 2), no more
