@@ -24,6 +24,27 @@
 // 3.6-4.8 ms against 6.4 ms at every row 2 KiB ahead, which ran at 11 GB/s to fp32's 16)
 #define PREFETCH_Q8_BYTES 768
 
+// The pieces every block below shares: its accumulators zeroed and stored, input k times the
+// J weight vectors wv for each of its MB rows, and (grouped codes) the d and m of group g for
+// each of its J panels.
+#define ZERO_ACC(ZERO)                                                                     \
+  for (int a = 0; a < MB; a++)                                                             \
+    for (int j = 0; j < J; j++) acc[a][j] = ZERO;
+#define STORE_ACC(STORE, P)                                                                \
+  for (int a = 0; a < MB; a++)                                                             \
+    for (int j = 0; j < J; j++) STORE(out + (a * 8 + j) * P, acc[a][j]);
+#define FMA_ROWS(VEC, SET1, FMA)                                                           \
+  for (int a = 0; a < MB; a++) {                                                           \
+    VEC xv = SET1(x[(long)a * K + k]);                                                     \
+    for (int j = 0; j < J; j++) acc[a][j] = FMA(xv, wv[j], acc[a][j]);                     \
+  }
+#define LOAD_DM(LOADF, P)                                                                  \
+  for (int j = 0; j < J; j++) {                                                            \
+    const float *dm = dm0 + ((long)j * groups + g) * 2 * P;                                \
+    dv[j] = LOADF(dm);                                                                     \
+    mv[j] = LOADF(dm + P);                                                                 \
+  }
+
 // PF: prefetch distance in bytes; PFMASK: prefetch when (k & PFMASK) == 0.
 #define BLOCK(NAME, TARGET, VEC, WT, P, LOAD, SET1, FMA, ZERO, STORE, PF, PFMASK)          \
 __attribute__((target(TARGET), always_inline)) static inline void NAME(                     \
@@ -31,8 +52,7 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
     const int J) {                                                                         \
   (void)dm0;                                                                               \
   VEC acc[8][8];                                                                           \
-  for (int a = 0; a < MB; a++)                                                             \
-    for (int j = 0; j < J; j++) acc[a][j] = ZERO;                                          \
+  ZERO_ACC(ZERO)                                                                           \
   for (int k = 0; k < K; k++) {                                                            \
     const WT *w = w0 + (long)k * P;                                                        \
     VEC wv[8];                                                                             \
@@ -41,13 +61,9 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
       if ((k & (PFMASK)) == 0)                                                             \
         _mm_prefetch((const char *)(w + (long)j * K * P) + (PF), _MM_HINT_T0);             \
     }                                                                                      \
-    for (int a = 0; a < MB; a++) {                                                         \
-      VEC xv = SET1(x[(long)a * K + k]);                                                   \
-      for (int j = 0; j < J; j++) acc[a][j] = FMA(xv, wv[j], acc[a][j]);                   \
-    }                                                                                      \
+    FMA_ROWS(VEC, SET1, FMA)                                                               \
   }                                                                                        \
-  for (int a = 0; a < MB; a++)                                                             \
-    for (int j = 0; j < J; j++) STORE(out + (a * 8 + j) * P, acc[a][j]);                   \
+  STORE_ACC(STORE, P)                                                                      \
 }
 
 #define CASE(BLOCKFN, MB, J) case MB * 16 + J: BLOCKFN(xb, w0, d0, out, K, MB, J); break;
@@ -104,15 +120,10 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
     const int MB, const int J) {                                                           \
   VEC acc[8][8];                                                                           \
   const long groups = K / SD_GROUP;                                                        \
-  for (int a = 0; a < MB; a++)                                                             \
-    for (int j = 0; j < J; j++) acc[a][j] = ZERO;                                          \
+  ZERO_ACC(ZERO)                                                                           \
   for (long g = 0; g < groups; g++) {                                                      \
     VEC dv[8], mv[8];                                                                      \
-    for (int j = 0; j < J; j++) {                                                          \
-      const float *dm = dm0 + ((long)j * groups + g) * 2 * P;                              \
-      dv[j] = LOADF(dm);                                                                   \
-      mv[j] = LOADF(dm + P);                                                               \
-    }                                                                                      \
+    LOAD_DM(LOADF, P)                                                                      \
     for (long k = g * SD_GROUP; k < (g + 1) * SD_GROUP; k++) {                             \
       const signed char *w = w0 + k * P;                                                   \
       VEC wv[8];                                                                           \
@@ -121,14 +132,10 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
         if ((k & (PFMASK)) == 0)                                                           \
           _mm_prefetch((const char *)(w + (long)j * K * P) + (PF), _MM_HINT_T0);           \
       }                                                                                    \
-      for (int a = 0; a < MB; a++) {                                                       \
-        VEC xv = SET1(x[(long)a * K + k]);                                                 \
-        for (int j = 0; j < J; j++) acc[a][j] = FMA(xv, wv[j], acc[a][j]);                 \
-      }                                                                                    \
+      FMA_ROWS(VEC, SET1, FMA)                                                             \
     }                                                                                      \
   }                                                                                        \
-  for (int a = 0; a < MB; a++)                                                             \
-    for (int j = 0; j < J; j++) STORE(out + (a * 8 + j) * P, acc[a][j]);                   \
+  STORE_ACC(STORE, P)                                                                      \
 }
 
 // 4-bit codes (sd_linear_g4: a GGUF file's Q4_0 / Q4_1 blocks, codes 0..15): two consecutive
@@ -142,15 +149,10 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
   VEC acc[8][8];                                                                           \
   const long groups = K / SD_GROUP;                                                        \
   const IVEC low = SET1I(15);                                                              \
-  for (int a = 0; a < MB; a++)                                                             \
-    for (int j = 0; j < J; j++) acc[a][j] = ZERO;                                          \
+  ZERO_ACC(ZERO)                                                                           \
   for (long g = 0; g < groups; g++) {                                                      \
     VEC dv[8], mv[8];                                                                      \
-    for (int j = 0; j < J; j++) {                                                          \
-      const float *dm = dm0 + ((long)j * groups + g) * 2 * P;                              \
-      dv[j] = LOADF(dm);                                                                   \
-      mv[j] = LOADF(dm + P);                                                               \
-    }                                                                                      \
+    LOAD_DM(LOADF, P)                                                                      \
     for (long k = g * SD_GROUP; k < (g + 1) * SD_GROUP; k += 2) {                          \
       const unsigned char *w = w0 + (k / 2) * P;                                           \
       VEC lo[8], hi[8];                                                                    \
@@ -168,8 +170,7 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
       }                                                                                    \
     }                                                                                      \
   }                                                                                        \
-  for (int a = 0; a < MB; a++)                                                             \
-    for (int j = 0; j < J; j++) STORE(out + (a * 8 + j) * P, acc[a][j]);                   \
+  STORE_ACC(STORE, P)                                                                      \
 }
 
 #define J512(mb) ((mb) <= 4 ? 4 : 2)
