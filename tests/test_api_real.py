@@ -74,9 +74,10 @@ def test_concurrent_requests_on_shared_cores_are_crowded_and_stay_the_targets(se
         assert answer.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
     crowded = [a.model_extra["specdec"]["crowded_rounds"] for a in answers]
     assert sum(crowded) > 0, crowded
-    # alone again, a request drafts
+    # alone again, no round is crowded (whether it drafts is adaptive k's choice: on shared
+    # cores a lone generation starts from the acceptance its predecessors saw)
     alone = ask(prompts[0]).model_extra["specdec"]
-    assert alone["crowded_rounds"] == 0 and alone["draft_tokens"] > 0
+    assert alone["crowded_rounds"] == 0 and alone["rounds"] > 0
 
 
 def test_metrics_show_the_acceptance_counters_and_the_log_has_the_request(serve_with_key):
