@@ -110,12 +110,17 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
     greedy with the speculation cache on: the text is the target's with either draft, and the
     cost model drafts the int8 copy's single guess behind the verify passes (its pass grows with
     its rows, its acceptance is high) and the shipped draft's cache (cheap rows, low
-    acceptance); a cost model that ignored the draft's costs would draft one kind for both."""
+    acceptance); a cost model that ignored the draft's costs would draft one kind for both.
+
+    The target is the float32 model (its converted directory, so no GGUF codes): there the int8
+    copy costs a fraction of a target step. Beside the target's own 4-bit codes it streams as
+    many bytes as the target does (~0.8 of a step), and the cost model rightly drafts it little."""
     import os
 
     from bench.harness import DRAFT_NICE, SpecdecSystems
     from orchestrator.generation import GenerationRequest
-    from specdec.models.hub import load_tokenizer
+    from specdec.models.draft_model import shipped_draft_dir
+    from specdec.models.hub import load_tokenizer, resolve_model_dir
     from specdec.models.tokenizer import encode_prompt
 
     if len(os.sched_getaffinity(0)) < 2:
@@ -123,7 +128,8 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
     before = os.sched_getaffinity(0)
     a, b = sorted(before)[:2]
     systems = ["specdec-target-only", "specdec-pipelined", "specdec-pipelined-int8"]
-    spd = SpecdecSystems("default", "default-draft", 0, systems,
+    float32_target = str(resolve_model_dir("default"))  # ("default-draft" would be its int8 copy)
+    spd = SpecdecSystems(float32_target, str(shipped_draft_dir()), 0, systems,
                          cores={"target": [b], "draft": [a]})
     tok = load_tokenizer("default")
     try:
