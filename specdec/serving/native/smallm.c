@@ -110,11 +110,13 @@ __attribute__((target(TARGET))) static void NAME(                               
 // Grouped int8 codes (sd_linear_g): each output column's weights in groups of SD_GROUP
 // along k, weight = d * q + m with the group's d and m (a GGUF file's Q8_0 / Q4_0 / Q4_1
 // blocks: kernels.py re-encodes those exactly). d * q is exact in float32 (an fp16 d times a
-// code of at most 8 bits), so the weight formed in registers is bit for bit the fp32 weight
-// sd_linear would load, and the products are summed in the same order over k: the results
-// are identical to sd_linear's on the dequantized weight, from a quarter of its bytes.
+// code of at most 8 bits), so one fused multiply-add fma(d, q, m), which rounds d * q + m
+// once, forms bit for bit the fp32 weight d * q + m that sd_linear would load (and one FP op
+// fewer than a multiply and an add: on a CPU whose FP pipes these kernels fill, forming the
+// weights is most of a one-row pass). The products are summed in the same order over k: the
+// results are identical to sd_linear's on the dequantized weight, from a quarter of its bytes.
 // dm: [panels][K / SD_GROUP][2][P] (d, then m, for the panel's P columns).
-#define BLOCKG(NAME, TARGET, VEC, P, LOADQ, LOADF, SET1, MUL, ADD, FMA, ZERO, STORE, PF, PFMASK)\
+#define BLOCKG(NAME, TARGET, VEC, P, LOADQ, LOADF, SET1, FMA, ZERO, STORE, PF, PFMASK)     \
 __attribute__((target(TARGET), always_inline)) static inline void NAME(                     \
     const float *x, const signed char *w0, const float *dm0, float *out, int K,           \
     const int MB, const int J) {                                                           \
@@ -128,7 +130,7 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
       const signed char *w = w0 + k * P;                                                   \
       VEC wv[8];                                                                           \
       for (int j = 0; j < J; j++) {                                                        \
-        wv[j] = ADD(MUL(dv[j], LOADQ(w + (long)j * K * P)), mv[j]);                        \
+        wv[j] = FMA(dv[j], LOADQ(w + (long)j * K * P), mv[j]);                             \
         if ((k & (PFMASK)) == 0)                                                           \
           _mm_prefetch((const char *)(w + (long)j * K * P) + (PF), _MM_HINT_T0);           \
       }                                                                                    \
@@ -141,8 +143,8 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
 // 4-bit codes (sd_linear_g4: a GGUF file's Q4_0 / Q4_1 blocks, codes 0..15): two consecutive
 // k of a panel's P columns in P bytes, k even in the low nibble and k + 1 in the high one,
 // half the 8-bit codes' bytes; each weight formed and summed as in BLOCKG, in the same order.
-#define BLOCKG4(NAME, TARGET, VEC, IVEC, P, LOADB, AND, SRLI, SET1I, CVT, LOADF, SET1, MUL, ADD,\
-                FMA, ZERO, STORE, PFMASK)                                                  \
+#define BLOCKG4(NAME, TARGET, VEC, IVEC, P, LOADB, AND, SRLI, SET1I, CVT, LOADF, SET1, FMA,   \
+                ZERO, STORE, PFMASK)                                                       \
 __attribute__((target(TARGET), always_inline)) static inline void NAME(                     \
     const float *x, const unsigned char *w0, const float *dm0, float *out, int K,         \
     const int MB, const int J) {                                                           \
@@ -158,8 +160,8 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
       VEC lo[8], hi[8];                                                                    \
       for (int j = 0; j < J; j++) {                                                        \
         IVEC b = LOADB(w + (long)j * (K / 2) * P);                                         \
-        lo[j] = ADD(MUL(dv[j], CVT(AND(b, low))), mv[j]);                                  \
-        hi[j] = ADD(MUL(dv[j], CVT(SRLI(b, 4))), mv[j]);                                   \
+        lo[j] = FMA(dv[j], CVT(AND(b, low)), mv[j]);                                       \
+        hi[j] = FMA(dv[j], CVT(SRLI(b, 4)), mv[j]);                                        \
         if (((k / 2) & (PFMASK)) == 0)                                                     \
           _mm_prefetch((const char *)(w + (long)j * (K / 2) * P) + PREFETCH_Q8_BYTES,     \
                        _MM_HINT_T0);                                                       \
@@ -191,21 +193,17 @@ BLOCK(blockq512, "avx512f", __m512, signed char, 16, LOADQ512, _mm512_set1_ps, _
 BLOCK(blockq256, "avx2,fma", __m256, signed char, 8, LOADQ256, _mm256_set1_ps, _mm256_fmadd_ps,
       _mm256_setzero_ps(), _mm256_storeu_ps, PREFETCH_Q8_BYTES, 7)
 BLOCKG(blockg512, "avx512f", __m512, 16, LOADQ512, _mm512_loadu_ps, _mm512_set1_ps,
-       _mm512_mul_ps, _mm512_add_ps, _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_storeu_ps,
-       PREFETCH_Q8_BYTES, 3)
+       _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_storeu_ps, PREFETCH_Q8_BYTES, 3)
 BLOCKG(blockg256, "avx2,fma", __m256, 8, LOADQ256, _mm256_loadu_ps, _mm256_set1_ps,
-       _mm256_mul_ps, _mm256_add_ps, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_storeu_ps,
-       PREFETCH_Q8_BYTES, 7)
+       _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_storeu_ps, PREFETCH_Q8_BYTES, 7)
 #define LOADB512(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define LOADB256(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 BLOCKG4(blockg4_512, "avx512f", __m512, __m512i, 16, LOADB512, _mm512_and_si512,
         _mm512_srli_epi32, _mm512_set1_epi32, _mm512_cvtepi32_ps, _mm512_loadu_ps,
-        _mm512_set1_ps, _mm512_mul_ps, _mm512_add_ps, _mm512_fmadd_ps, _mm512_setzero_ps(),
-        _mm512_storeu_ps, 3)
+        _mm512_set1_ps, _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_storeu_ps, 3)
 BLOCKG4(blockg4_256, "avx2,fma", __m256, __m256i, 8, LOADB256, _mm256_and_si256,
         _mm256_srli_epi32, _mm256_set1_epi32, _mm256_cvtepi32_ps, _mm256_loadu_ps,
-        _mm256_set1_ps, _mm256_mul_ps, _mm256_add_ps, _mm256_fmadd_ps, _mm256_setzero_ps(),
-        _mm256_storeu_ps, 7)
+        _mm256_set1_ps, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_storeu_ps, 7)
 KERNEL(linear512, block512, "avx512f", float, 16, J512, 1)
 KERNEL(linear256, block256, "avx2,fma", float, 8, J256, 1)
 KERNEL(linearq512, blockq512, "avx512f", signed char, 16, JQ512, 1)
