@@ -155,3 +155,54 @@ def test_the_codes_are_cached_and_a_stale_cache_is_read_again(tmp_path, monkeypa
     torch.save(stored, cached[0])
     again = gguf_codes.exact_codes(path, weights)
     assert reads == [1] and torch.equal(again["head"].dequantize(), deq["b"])
+
+
+@needs_smallm
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_shipped_draft_streams_its_stored_int8_for_the_same_logits(threads):
+    """The shipped draft's matrices are stored as per-row int8 with fp16 scales: loaded, each
+    layer and the head stream those codes (d the row's scale, m 0) and give the logits of
+    the same draft on its dequantized float32 weights exactly, over ragged passes."""
+    from specdec.models import draft_model
+    from specdec.serving.arch import ArchConfig
+    from specdec.serving.engine import LlamaEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        path = draft_model.shipped_draft_dir()
+        coded, _, _ = draft_model.load_engine(path, "cpu", "smallm")
+        assert all(layer[n].bits == 8 for layer in coded.layers
+                   for n in ("qkv", "o", "gate_up", "down")) and coded.head.bits == 8
+        meta, weights = draft_model.load_weights(path)
+        vocab_map = weights.pop("vocab_map").long()
+        fp32 = LlamaEngine(ArchConfig(**meta["arch"]), {k: v.float() for k, v in weights.items()},
+                           "cpu", "smallm", vocab_map=vocab_map)
+        assert fp32.head.bits == 0 and fp32.head.grouped is None
+        outs = []
+        for engine in (fp32, coded):
+            caches = [engine.new_cache() for _ in range(2)]
+            outs.append([engine.forward(caches, [torch.arange(5, 40), torch.tensor([7])], [1, 1]),
+                         engine.forward(caches, [torch.tensor([3, 4, 5]), torch.tensor([9])],
+                                        [3, 1])])
+        for a, b in zip(*outs):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_stored_codes_encode_the_dequantized_weights_exactly():
+    """stored_codes on a crafted int8 matrix: d * q + 0 is the dequantized weight bit for bit,
+    and a matrix whose input width is not a multiple of the group size is left to float32."""
+    from specdec.models import draft_model
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 64, generator=g)
+    q, scale = draft_model.quantize_int8(w)
+    odd_q, odd_scale = draft_model.quantize_int8(torch.randn(8, 48, generator=g))
+    tensors = {"a.int8": q, "a.scale": scale, "b.int8": odd_q, "b.scale": odd_scale,
+               "norm": torch.ones(64, dtype=torch.float16)}
+    codes = draft_model.stored_codes(tensors)
+    assert set(codes) == {"a"}
+    assert torch.equal(codes["a"].dequantize(), draft_model._dequantize(tensors)["a"])
+    assert codes["a"].bits == 8

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from specdec.serving.arch import ArchConfig, rope_inv_freq
 from specdec.serving.engine import LlamaEngine
+from specdec.serving.kernels import GROUP, GroupedCodes
 
 FORMAT = "specdec-draft/1"
 META_FILE = "draft.json"
@@ -79,13 +80,35 @@ def _dequantize(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
+def stored_codes(tensors: dict[str, torch.Tensor]) -> dict[str, GroupedCodes]:
+    """The stored int8 matrices as grouped codes (d: the row's scale in every group, m: 0).
+
+    A row's scale is an fp16 and a code at most 8 bits, so d * q is exact in float32: smallm
+    streams the codes (a quarter of the float32 bytes) for bit for bit the weights
+    ``_dequantize`` makes. A matrix whose input width is not a multiple of GROUP is left out
+    (it streams its float32)."""
+    codes = {}
+    for name, q in tensors.items():
+        if not name.endswith(".int8") or q.shape[1] % GROUP:
+            continue
+        base = name[: -len(".int8")]
+        d = tensors[base + ".scale"].float()[:, None].expand(-1, q.shape[1] // GROUP)
+        codes[base] = GroupedCodes(q.contiguous(), d.contiguous(), torch.zeros_like(d))
+    return codes
+
+
+def load_weights(path, with_codes: bool = False):
+    """(meta, float32-exact weights by canonical name), and with ``with_codes`` the stored
+    int8 matrices as grouped codes (``stored_codes``)."""
     from safetensors.torch import load_file
 
     meta = read_meta(path)
-    weights = _dequantize(load_file(str(pathlib.Path(path) / WEIGHTS_FILE)))
+    tensors = load_file(str(pathlib.Path(path) / WEIGHTS_FILE))
+    weights = _dequantize(tensors)
     if meta.get("embed_from_target"):
         weights["embed"] = target_embedding(meta["target"])
+    if with_codes:
+        return meta, weights, stored_codes(tensors)
     return meta, weights
 
 
@@ -93,11 +116,12 @@ def load_engine(path, device, kernels: str = "auto", quantize: str | None = None
     """(engine, tokenizer, None) for a draft directory."""
     from specdec.models.hub import load_tokenizer
 
-    meta, weights = load_weights(path)
+    meta, weights, codes = load_weights(path, with_codes=True)
     arch = ArchConfig(**meta["arch"])
     vocab_map = weights.pop("vocab_map").long()
     weights = {k: v.float() for k, v in weights.items()}
-    engine = LlamaEngine(arch, weights, device, kernels, vocab_map=vocab_map, quantize=quantize)
+    engine = LlamaEngine(arch, weights, device, kernels, vocab_map=vocab_map, quantize=quantize,
+                         codes=codes if torch.device(device).type == "cpu" else None)
     return engine, load_tokenizer(meta["target"]), None
 
 
