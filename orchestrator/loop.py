@@ -507,6 +507,7 @@ class _Pipeline:
                 task.cancel()
                 self.widths.observe(*self.shape, (time.perf_counter() - self.started) * 1000.0)
                 k_ctl.observe_cache(False)
+                k_ctl.probe_late()
                 stats.pipeline_misses += 1
                 stats.late_branch_calls += 1
                 return None

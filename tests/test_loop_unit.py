@@ -470,3 +470,31 @@ def test_a_prompt_lookup_takes_a_round_only_where_it_beats_the_draft_models_bloc
         seen[name] = result.stats.lookup_rounds
     assert seen["perfect"] == 0
     assert seen["never right"] >= 1
+
+
+def test_under_load_a_probe_whose_branch_call_comes_late_backs_off():
+    """Under load a probe is a branch call behind a verify; one still running at its verdict
+    is dropped and counts as a probe that left speculation unpaid: the next comes after the
+    doubled backoff, not behind every following round (a draft session that has not drafted
+    for many rounds catches up on all of them first, and came as late each time)."""
+    class AlwaysLate(FakeDraft):
+        async def propose_branches(self, *args, **kwargs):
+            await asyncio.sleep(0.03)
+            return await super().propose_branches(*args, **kwargs)
+
+    target, draft = FakeTarget(), AlwaysLate(wrong_every=1)
+    draft.info = pb.ModelInfo(forward_ms=[1.0])
+    target.prompt_len = 3
+    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
+    reqs = [GenerationRequest([5, 11, 23], 300, SamplingParams(), [], "pipelined", None,
+                              prompt_lookup=False) for _ in range(2)]
+    for r in _together(orch, reqs):
+        s = r.stats
+        assert r.token_ids == target_text([5, 11, 23], 300)
+        assert s.late_branch_calls > 0 and s.pipeline_hits == 0  # branch calls went, all late
+        # The first ones teach the cache's hit rate (no branch is ever on time) and blocks stop
+        # paying; from then on only probes go, at most one every PROBE_EVERY rounds.
+        verifies = [c.start for c in s.calls if c.service == "target"]
+        half = verifies[len(verifies) // 2]
+        late = sum(c.outcome == "cancelled" and c.start > half for c in s.calls)
+        assert late <= (len(verifies) // 2) // adaptive.PROBE_EVERY, late
