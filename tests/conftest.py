@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import random
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -35,6 +37,37 @@ CHAT_PROMPTS = [
     "Explain what a CPU does in two sentences.",
     "List three fruits and their colors.",
 ]
+
+
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for bind(0) (Linux: 32768 by default)."""
+    try:
+        return int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A free loopback port for a server that a test starts later, taken below the kernel's
+    ephemeral range. A port from bind(0) is free only until some process binds port 0 and is
+    handed the same one: Ray starts many processes that do, and in CI Ray Serve's proxy found
+    the port a test had chosen for it taken ("Address already in use") by then."""
+    low = _ephemeral_low()
+    for _ in range(500):
+        port = random.randrange(max(1024, low - 16000), low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port found below {low}")
 
 
 def run(coro):

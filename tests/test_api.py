@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import MODEL, ApiHost, ServiceThread, hf_greedy, run, scrape
+from conftest import ApiHost, MODEL, ServiceThread, free_port, hf_greedy, run, scrape
 from starlette.responses import JSONResponse, Response
 
 from orchestrator.http.schemas import ServeDefaults
@@ -69,12 +69,6 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "") -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- the openai package ------------------------------------------------------------------

@@ -3,10 +3,9 @@
 import asyncio
 import os
 import signal
-import socket
 
 import pytest
-from conftest import hf_greedy, run
+from conftest import free_port, hf_greedy, run
 
 from orchestrator.generation import GenerationRequest
 from orchestrator.local import ServiceProcess, service_args
@@ -15,12 +14,6 @@ from orchestrator.service_clients import ServiceError
 
 PROMPT = list(range(2000, 2040))
 MAX_NEW = 60
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(role, model, port=0, target=None, extra=()):

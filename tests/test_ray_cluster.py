@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import socket
 
 import httpx
 import pytest
-from conftest import hf_greedy, run
+from conftest import free_port, hf_greedy, run
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
@@ -24,12 +23,6 @@ from orchestrator.service_clients import DraftClient, TargetClient  # noqa: E402
 
 PROMPTS = [[1, 520, 3300, 12, 99, 7], list(range(2000, 2030)), [5, 6, 7, 5, 6, 7, 5, 6]]
 NODE = dict(node_ip_address="127.0.0.1", object_store_memory=80 * 1024 * 1024)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def app_config(target: str, draft: str, http_port: int, replicas: int = 2, **extra) -> dict:

@@ -20,19 +20,13 @@ import time
 import httpx
 import pytest
 import yaml
-from conftest import REPO, hf_greedy
+from conftest import REPO, free_port, hf_greedy
 
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("ray")
 
 BIN = pathlib.Path(sys.executable).parent
 RAY = str(BIN / "ray")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ray_env() -> dict:
