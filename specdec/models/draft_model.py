@@ -97,31 +97,39 @@ def stored_codes(tensors: dict[str, torch.Tensor]) -> dict[str, GroupedCodes]:
     return codes
 
 
-def load_weights(path, with_codes: bool = False):
-    """(meta, float32-exact weights by canonical name), and with ``with_codes`` the stored
-    int8 matrices as grouped codes (``stored_codes``)."""
+def _load_stored(path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, the tensors as stored: int8 matrices with their scales)."""
     from safetensors.torch import load_file
 
-    meta = read_meta(path)
-    tensors = load_file(str(pathlib.Path(path) / WEIGHTS_FILE))
+    return read_meta(path), load_file(str(pathlib.Path(path) / WEIGHTS_FILE))
+
+
+def _weights(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     weights = _dequantize(tensors)
     if meta.get("embed_from_target"):
         weights["embed"] = target_embedding(meta["target"])
-    if with_codes:
-        return meta, weights, stored_codes(tensors)
-    return meta, weights
+    return weights
+
+
+def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, float32-exact weights by canonical name)."""
+    meta, tensors = _load_stored(path)
+    return meta, _weights(meta, tensors)
 
 
 def load_engine(path, device, kernels: str = "auto", quantize: str | None = None):
-    """(engine, tokenizer, None) for a draft directory."""
+    """(engine, tokenizer, None) for a draft directory. On CPU the engine also streams the
+    stored int8 matrices as they are (``stored_codes``)."""
     from specdec.models.hub import load_tokenizer
 
-    meta, weights, codes = load_weights(path, with_codes=True)
+    meta, tensors = _load_stored(path)
+    weights = _weights(meta, tensors)
     arch = ArchConfig(**meta["arch"])
     vocab_map = weights.pop("vocab_map").long()
     weights = {k: v.float() for k, v in weights.items()}
+    codes = stored_codes(tensors) if torch.device(device).type == "cpu" else None
     engine = LlamaEngine(arch, weights, device, kernels, vocab_map=vocab_map, quantize=quantize,
-                         codes=codes if torch.device(device).type == "cpu" else None)
+                         codes=codes)
     return engine, load_tokenizer(meta["target"]), None
 
 
