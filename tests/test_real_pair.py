@@ -112,12 +112,21 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
     its rows, its acceptance is high) and the shipped draft's cache (cheap rows, low
     acceptance); a cost model that ignored the draft's costs would draft one kind for both.
 
+    Live, each session's choice follows its own acceptance: where the shipped draft agrees
+    with the target for a stretch (a > ~0.85) the guess is the faster there too, by ~1-3%,
+    so the live counts are noisy (CI once saw the shipped draft take the guess in 11 of 48
+    calls, a run here 24 of 49). The choice itself is asserted on each draft's measured costs
+    at one acceptance and cache hit rate: the shipped draft's call hides behind the verify
+    pass, so the cache (more hits) wins at every k; the int8 copy's branches outlast the
+    pass, so its guess wins.
+
     The target is the float32 model (its converted directory, so no GGUF codes): there the int8
     copy costs a fraction of a target step. Beside the target's own 4-bit codes it streams as
     many bytes as the target does (~0.8 of a step), and the cost model rightly drafts it little."""
     import os
 
     from bench.harness import DRAFT_NICE, SpecdecSystems
+    from orchestrator.adaptive import KController
     from orchestrator.generation import GenerationRequest
     from specdec.models.draft_model import shipped_draft_dir
     from specdec.models.hub import load_tokenizer, resolve_model_dir
@@ -151,10 +160,22 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
                 s = stats.setdefault(name, [0, 0])
                 s[0] += result.stats.guess_calls
                 s[1] += sum(c.service == "draft" and c.branches > 0 for c in result.stats.calls)
+        costs_seen = {name: spd.orchestrators[(name, 0.0)].live_costs
+                      for name in ("draft", "int8")}
     finally:
         os.sched_setaffinity(0, before)  # (connect() put this process on the draft's core)
         spd.close()
     # calls behind a verify: [guess calls, branch calls]; a round of no block (the first,
     # and a miss whose block did not pay to draft now) drafts the cache with either draft
     assert stats["int8"][0] > stats["int8"][1]  # most of them the guess
-    assert stats["draft"][1] > 5 * max(stats["draft"][0], 1)  # nearly every one the cache
+    share = {name: b / max(g + b, 1) for name, (g, b) in stats.items()}
+    assert share["draft"] > share["int8"]  # the shipped draft the cache more often
+    # the choice on each draft's measured costs, at one acceptance and cache hit rate (the
+    # guess holds a^(k+1) = 0.49 at most, the cache 0.6)
+    choice = {}
+    for name, costs in costs_seen.items():
+        ctl = KController(costs.target_ms, [costs.draft_step_ms], pipelined=True, costs=costs)
+        ctl.branching, ctl.cache_hit = True, 0.6
+        choice[name] = [ctl.drafts_guess(k, 0.7) for k in (1, 2, 3)]
+    assert choice["draft"] == [False, False, False], costs_seen["draft"]
+    assert choice["int8"][2], costs_seen["int8"]
