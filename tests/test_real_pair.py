@@ -126,7 +126,6 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
     import os
 
     from bench.harness import DRAFT_NICE, SpecdecSystems
-    from orchestrator.adaptive import KController
     from orchestrator.generation import GenerationRequest
     from specdec.models.draft_model import shipped_draft_dir
     from specdec.models.hub import load_tokenizer, resolve_model_dir
@@ -160,8 +159,9 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
                 s = stats.setdefault(name, [0, 0])
                 s[0] += result.stats.guess_calls
                 s[1] += sum(c.service == "draft" and c.branches > 0 for c in result.stats.calls)
-        costs_seen = {name: spd.orchestrators[(name, 0.0)].live_costs
-                      for name in ("draft", "int8")}
+        # each orchestrator's controller for such a request, on the costs its calls measured
+        controllers = {name: spd.orchestrators[(name, 0.0)]._controller(
+            GenerationRequest(ids, MAX_NEW, mode="pipelined")) for name in ("draft", "int8")}
     finally:
         os.sched_setaffinity(0, before)  # (connect() put this process on the draft's core)
         spd.close()
@@ -173,9 +173,8 @@ def test_on_separate_cores_the_int8_copy_drafts_its_single_guess_and_the_shipped
     # the choice on each draft's measured costs, at one acceptance and cache hit rate (the
     # guess holds a^(k+1) = 0.49 at most, the cache 0.6)
     choice = {}
-    for name, costs in costs_seen.items():
-        ctl = KController(costs.target_ms, [costs.draft_step_ms], pipelined=True, costs=costs)
+    for name, ctl in controllers.items():
         ctl.branching, ctl.cache_hit = True, 0.6
         choice[name] = [ctl.drafts_guess(k, 0.7) for k in (1, 2, 3)]
-    assert choice["draft"] == [False, False, False], costs_seen["draft"]
-    assert choice["int8"][2], costs_seen["int8"]
+    assert choice["draft"] == [False, False, False], controllers["draft"].costs
+    assert choice["int8"][2], controllers["int8"].costs
