@@ -15,6 +15,9 @@ def register(sub) -> None:
     d.add_argument("--target", default="default")
     d.add_argument("--out", default="runs/distill", help="work directory (resumable)")
     d.add_argument("--prompts", type=int, default=3200, help="training prompts (shipped set)")
+    d.add_argument("--prompt-set", default="base", choices=("base", "wide", "real"),
+                   help="training prompts: the base templates, the wide ones, or half of "
+                        "them made from real text (specdec.distill.prompts.train_conversations)")
     d.add_argument("--max-new-tokens", type=int, default=192, help="per target answer")
     d.add_argument("--temperatures", default="0,0.8",
                    help="one answer per prompt at each temperature (0 = greedy)")
@@ -24,6 +27,8 @@ def register(sub) -> None:
     d.add_argument("--heldout-prompts", type=int, default=48)
     d.add_argument("--skip-data", action="store_true",
                    help="train on the shards already generated, generate no more")
+    d.add_argument("--data-only", action="store_true",
+                   help="generate (or finish generating) the shards, then stop")
     d.add_argument("--vocab", type=int, default=8192, help="draft head vocabulary size")
     d.add_argument("--layers", default="0,29", help="target layers to initialise from")
     d.add_argument("--steps", type=int, default=600)
@@ -124,9 +129,13 @@ def cmd_distill(args) -> int:
     if args.skip_data:
         shards = sorted((work / "data").glob("shard-*.pt"))
     else:
-        shards = write_shards(engine, tokenizer, train_conversations(args.prompts), work / "data",
-                              eos, max_new_tokens=args.max_new_tokens, batch_size=args.gen_batch,
-                              temperatures=temps, seed=args.seed)
+        shards = write_shards(engine, tokenizer,
+                              train_conversations(args.prompts, prompt_set=args.prompt_set),
+                              work / "data", eos, max_new_tokens=args.max_new_tokens,
+                              batch_size=args.gen_batch, temperatures=temps, seed=args.seed)
+    if args.data_only:
+        print(f"data: {len(shards)} shards in {work / 'data'} ({time.time() - t0:.0f} s)")
+        return 0
     shards += score_text_files(engine, tokenizer, args.text_files, work / "text")
     held = held_out_records(args.target, work, args.heldout_prompts, args.max_new_tokens,
                             engine, tokenizer, eos)
