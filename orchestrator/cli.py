@@ -85,9 +85,10 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="client certificate for mutual TLS (enables TLS)")
     p.add_argument("--tls-key", help="client key for mutual TLS")
     p.add_argument("--tls-server-name", help="expected server name in the certificates")
-    p.add_argument("--target-deadline-s", type=float, default=60.0,
-                   help="how long a request retries an unreachable target before failing "
-                        "with UNAVAILABLE / HTTP 503 (default %(default)s)")
+    p.add_argument("--target-deadline-s", type=float, default=0.0,
+                   help="how long a request waits for a target that is down (dead, "
+                        "restarting, loading) to come back before failing with UNAVAILABLE / "
+                        "HTTP 503 (default %(default)s: fail at once; clients retry 503)")
 
 
 def tls_from_args(args) -> dict | None:
@@ -170,6 +171,10 @@ async def orchestrator_for(args, need_draft: bool = True):
                              tokenizer_spec=args.tokenizer or args.target, tls=tls)
         # Services specdec started here share this machine's cores with each other.
         orch.shared_cores = start_local
+        if local is not None:  # restart a service that dies, and tell the orchestrator
+            loop = asyncio.get_running_loop()
+            local.supervise(lambda role, event, detail: loop.call_soon_threadsafe(
+                orch.service_event, role, event, detail))
         yield orch
     finally:
         if orch is not None:

@@ -133,6 +133,24 @@ class Orchestrator:
         if self.live_costs is not None:
             self.live_costs.observe(rec)
 
+    def service_event(self, role: str, event: str, detail: str = "") -> None:
+        """What a supervisor (orchestrator.local.Supervisor) saw of a service: "down" (it
+        died) or "up" (restarted and serving). A dead target fails the calls that wait for
+        it at once; a dead draft is bypassed; either is used again as soon as it is back."""
+        client = self.target if role == "target" else self.draft
+        if client is None:
+            return
+        if event == "down":
+            if role == "target":
+                self.target.mark_down(detail)
+            else:
+                self.draft.mark_failed()
+        elif event == "up":
+            if role == "target":
+                self.target.mark_up()
+            else:
+                self.draft.backoff.retry_at = 0.0  # its next round asks its health at once
+
     def service_clients(self) -> dict[str, object]:
         """The service clients by name (health checks and metrics ask each of them)."""
         return {"target": self.target, **({"draft": self.draft} if self.draft else {})}

@@ -33,6 +33,16 @@ def register(subparsers) -> None:
                    help="INFO logs one line per request (default)")
     s.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                    help="larger request bodies get HTTP 413 (default: 2 MiB)")
+    s.add_argument("--body-timeout-s", type=float, default=30.0,
+                   help="a request body not all in this many seconds after its headers gets "
+                        "HTTP 408 and its connection is closed (default: 30)")
+    s.add_argument("--header-timeout-s", type=float, default=20.0,
+                   help="a connection whose request line and headers are not all in this "
+                        "many seconds after their first byte (or the connection's opening) "
+                        "is closed (default: 20, as Apache's)")
+    s.add_argument("--max-header-bytes", type=int, default=32 * 1024,
+                   help="a larger request line and headers, in all, get HTTP 431 and the "
+                        "connection is closed (default: 32 KiB, nginx's 4 x 8k buffers)")
     add_generation_arguments(s)
     add_pair_arguments(s)
     s.set_defaults(func=cmd_serve)
@@ -43,6 +53,7 @@ def cmd_serve(args) -> int:
 
     from orchestrator.cli import orchestrator_for, resolve_auto
     from orchestrator.http.app import create_app
+    from orchestrator.http.connection import HeadLimit
     from orchestrator.http.schemas import ServeDefaults
 
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
@@ -57,7 +68,9 @@ def cmd_serve(args) -> int:
                                  top_p=args.top_p, top_k=args.top_k, rule=args.rule,
                                  mode=args.mode, k=args.k,
                                  stop=list(args.stop), max_body_bytes=args.max_body_bytes,
+                                 body_timeout_s=args.body_timeout_s,
                                  prompt_lookup=args.prompt_lookup)
+        http = HeadLimit.factory(args.header_timeout_s, args.max_header_bytes)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}")
 
@@ -87,7 +100,10 @@ def cmd_serve(args) -> int:
             # Our logging config and per-request line (orchestrator.http.app), not uvicorn's.
             config = uvicorn.Config(app, host=args.host, port=args.port, log_config=None,
                                     access_log=False, lifespan="off",
-                                    timeout_graceful_shutdown=5,
+                                    timeout_graceful_shutdown=5, http=http,
+                                    # h11 (uvicorn's parser without httptools) keeps its own
+                                    # bound on a head still incomplete after a read: ours
+                                    h11_max_incomplete_event_size=args.max_header_bytes,
                                     ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile)
             server = Server(config)
             task = asyncio.ensure_future(server.serve())

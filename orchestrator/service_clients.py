@@ -372,37 +372,88 @@ class DraftClient(ServiceClient):
 
 
 class TargetClient(ServiceClient):
-    """Verify calls go over one bidirectional stream per session (the round loop's channel)."""
+    """Verify calls go over one bidirectional stream per session (the round loop's channel).
+
+    A target that stops answering is *down* until its health check says it serves again:
+    meanwhile calls fail at once with UNAVAILABLE (or, with ``unavailable_deadline_s``, wait
+    that long for it to come back), instead of each waiting out a timeout of its own."""
 
     role = "target"
+    RECHECK_S = 0.25  # while down, a call asks the health check at most this often
 
-    def __init__(self, *args, unavailable_deadline_s: float = 60.0, **kwargs):
+    def __init__(self, *args, unavailable_deadline_s: float = 0.0,
+                 prefill_s_per_token: float = 0.05, **kwargs):
         super().__init__(*args, **kwargs)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.unavailable_deadline_s = unavailable_deadline_s
+        # A call's deadline grows with the tokens it sends (a long prompt's prefill): the
+        # call's own timeout_s plus this much per token (0.05 s: 20 tokens/s, ~15x below this
+        # CPU's prefill rate, so only a stalled target reaches it).
+        self.prefill_s_per_token = prefill_s_per_token
+        self.down: str | None = None  # why the target is down, while it is
+        self._checked_at = 0.0
+        self._check_lock = asyncio.Lock()
 
     def _open_stream(self) -> grpc.aio.StreamStreamCall:
         return self.stub.VerifyStream()
+
+    def mark_down(self, why: str) -> None:
+        if self.down is None:
+            log.warning("target service %s is down: %s", self.address, why)
+        self.down = why
+        self._checked_at = time.monotonic()
+
+    def mark_up(self) -> None:
+        if self.down is not None:
+            log.warning("target service %s is back", self.address)
+        self.down = None
+        self.known.clear()  # it restarted: every session is re-sent in full
+
+    async def serving(self) -> bool:
+        """Whether the target serves: True while it is not known to be down; while it is,
+        its health check, asked at most every RECHECK_S (concurrent callers share one)."""
+        if self.down is None:
+            return True
+        async with self._check_lock:
+            if self.down is not None and time.monotonic() - self._checked_at >= self.RECHECK_S:
+                self._checked_at = time.monotonic()
+                if await self.healthy(timeout_s=1.0):
+                    self.mark_up()
+        return self.down is None
+
+    def call_timeout_s(self, sent_tokens: int) -> float:
+        return self.timeout_s + self.prefill_s_per_token * sent_tokens
 
     async def verify(self, session_id: str, history: History, draft_tokens: list[int],
                      draft_dists, sampling: SamplingParams, request_id: str = "",
                      logprobs: int | None = None, prompt_logprobs: bool = False,
                      ) -> tuple[pb.VerifyResponse, CallRecord]:
-        """Verify a block. A lost session is re-prefilled; an unreachable target (restarting,
-        loading) is retried with backoff for ``unavailable_deadline_s``, then UNAVAILABLE."""
+        """Verify a block. A lost session is re-prefilled; a call that fails while the target
+        still serves (a dropped connection) is sent again; a target that is down (dead,
+        restarting, loading) fails the call with UNAVAILABLE at once, or after waiting up to
+        ``unavailable_deadline_s`` for it to come back."""
         deadline = time.monotonic() + self.unavailable_deadline_s
         backoff = 0.05
-        lost_retries = 0
+        lost_retries = transient_retries = 0
         re_prefilled = False
         while True:
+            if not await self.serving():
+                if time.monotonic() >= deadline:
+                    raise ServiceError("target", grpc.StatusCode.UNAVAILABLE,
+                                       f"the target service is unavailable: {self.down}")
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                re_prefilled = True  # what the target held is unknown now: re-send it all
+                continue
             ref, tokens = self.ref(session_id, history)
             req = pb.VerifyRequest(session=ref, tokens=tokens, draft_tokens=draft_tokens,
                                    draft_dists=draft_dists, sampling=sampling.to_wire(pb),
                                    request_id=request_id, logprobs=logprobs is not None,
                                    top_logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs)
             start = time.perf_counter()
+            timeout_s = self.call_timeout_s(len(tokens))
             try:
-                resp = await self._stream_call(session_id, req, self.timeout_s)
+                resp = await self._stream_call(session_id, req, timeout_s)
             except grpc.aio.AioRpcError as exc:
                 err = self._error(exc)
                 self.forget(session_id)
@@ -411,18 +462,22 @@ class TargetClient(ServiceClient):
                     re_prefilled = True
                     log.info("target lost session %s (%s); re-prefilling", session_id, err.details)
                     continue
-                if err.retriable and time.monotonic() < deadline:
-                    log.warning("target unavailable (%s); retrying in %.2fs", err.details, backoff)
+                if err.retriable:
                     re_prefilled = True  # what the target held is unknown now: re-send it all
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
-                    continue
+                    if not await self.healthy(timeout_s=1.0):
+                        self.mark_down(err.details or err.code.name)
+                        continue  # (the loop's top waits for it, or fails the call)
+                    if transient_retries < 2:  # the call failed, the target serves: again
+                        transient_retries += 1
+                        log.warning("verify failed (%s); the target serves, retrying",
+                                    err.details)
+                        continue
                 raise err from None
             except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
                 self.forget(session_id)
                 if isinstance(exc, asyncio.TimeoutError):
                     raise ServiceError("target", grpc.StatusCode.DEADLINE_EXCEEDED,
-                                       f"no verdict within {self.timeout_s}s") from None
+                                       f"no verdict within {timeout_s:.1f}s") from None
                 raise
             end = time.perf_counter()
             self.known[session_id] = history.tokens + list(draft_tokens[: resp.num_accepted])

@@ -109,6 +109,39 @@ def test_metrics_show_the_acceptance_counters_and_the_log_has_the_request(serve_
     assert f"accepted_tokens={spec['accepted_tokens']}" in line and "ttft_s=" in line
 
 
+def test_a_prompt_near_the_context_completes_beside_a_small_request(serve_with_key):
+    """An 8,000-token prompt (the context is 8,192) completes, however long its prefill
+    takes (a verify call's deadline grows with the tokens it carries; a flat 30 s one failed
+    it with 503), while a small request sent alongside is answered with the target's text;
+    one over the context is refused with 400 saying so. (How fast the small one goes meanwhile
+    is `python -m bench.long_prompt`'s to measure, and the scheduler's tests assert the chunk
+    sizes that keep it going.)"""
+    import concurrent.futures
+
+    from specdec.models.hub import load_tokenizer
+    from specdec.models.tokenizer import encode_prompt
+
+    _, url, _ = serve_with_key
+    client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=900)
+    long_prompt = [100 + (i % 5000) for i in range(8000)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        long = pool.submit(client.completions.create, model="specdec", prompt=long_prompt,
+                           max_tokens=1, temperature=0)
+        time.sleep(1.0)  # the long prompt is prefilling
+        small = client.chat.completions.create(
+            model="specdec", messages=[{"role": "user", "content": CHAT_PROMPTS[2]}],
+            max_tokens=MAX_NEW, temperature=0)
+        done = long.result()
+    assert done.usage.prompt_tokens == 8000 and done.usage.completion_tokens == 1
+    tok = load_tokenizer("default")
+    ref = hf_greedy("default", encode_prompt(tok, CHAT_PROMPTS[2], None), MAX_NEW)
+    assert small.choices[0].message.content == tok.decode(ref, skip_special_tokens=True)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="specdec", prompt=long_prompt + long_prompt[:200],
+                                  max_tokens=1)
+    assert "context" in str(err.value)
+
+
 def test_sigterm_stops_the_server_and_its_services(serve_with_key):
     proc, url, _ = serve_with_key
     children = child_pids(proc.pid)

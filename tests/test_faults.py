@@ -138,7 +138,9 @@ def test_target_restarted_mid_generation_re_prefills(tiny_models, reference):
         restarted["p"] = start("target", tiny_models["target"], port=port)
 
     try:
-        result, _ = run(generate_with_fault(target.address, draft.address, restart, at_delta=4))
+        # (a generation that may wait for a target that is down: --target-deadline-s)
+        result, _ = run(generate_with_fault(target.address, draft.address, restart, at_delta=4,
+                                            target_deadline_s=60.0))
         assert result.token_ids == reference
         assert result.stats.re_prefills >= 1
     finally:

@@ -285,7 +285,8 @@ def create_app(backend, model_name: str, api_key: str | None = None, *,
     app = FastAPI(title="specdec", summary="OpenAI-compatible speculative decoding")
     app.state.front = front
     app.state.metrics = front.metrics
-    app.add_middleware(BodyLimit, limit=front.defaults.max_body_bytes)
+    app.add_middleware(BodyLimit, limit=front.defaults.max_body_bytes,
+                       timeout_s=front.defaults.body_timeout_s)
     if api_key:  # added last, so it runs first: no body is read for an unauthorized request
         app.add_middleware(BearerAuth, api_key=api_key)
 
@@ -315,22 +316,30 @@ def create_app(backend, model_name: str, api_key: str | None = None, *,
 
     @app.get("/health")
     async def health():
-        """200 while every target answers (without a draft the rounds go on, slower)."""
-        targets = {name: c for name, c in backend.service_clients().items()
-                   if name == "target" or name.endswith("/target")}
+        """200 while every target answers: "ok", or "degraded" while a draft does not (the
+        rounds go on without it, slower); 503 "unavailable" while a target does not."""
+        clients = backend.service_clients()
 
         async def error(client) -> str | None:
+            # a service known to be down is asked again (on its own schedule) before its
+            # stats: a target's reason (dead, restarting), a draft that failed its calls
+            if hasattr(client, "serving") and not await client.serving():
+                return client.down
+            if hasattr(client, "available") and not await client.available():
+                return "down (bypassed: rounds go on without it)"
             try:
                 await asyncio.wait_for(client.stats(), 5.0)
             except Exception as exc:
                 return str(exc) or type(exc).__name__
             return None
 
-        errors = dict(zip(targets, await asyncio.gather(*map(error, targets.values()))))
+        errors = dict(zip(clients, await asyncio.gather(*map(error, clients.values()))))
         failed = {name: e for name, e in errors.items() if e is not None}
+        message = "; ".join(f"{name}: {e}" for name, e in failed.items())
+        if any(name == "target" or name.endswith("/target") for name in failed):
+            return JSONResponse({"status": "unavailable", "error": message}, status_code=503)
         if failed:
-            return JSONResponse({"status": "unavailable", "error": "; ".join(
-                f"{name}: {e}" for name, e in failed.items())}, status_code=503)
+            return {"status": "degraded", "error": message}
         return {"status": "ok"}
 
     @app.get("/metrics")

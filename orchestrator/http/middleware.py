@@ -1,7 +1,9 @@
-"""ASGI pieces of the HTTP front: bearer-key auth, the body-size limit, Server-Sent Events."""
+"""ASGI pieces of the HTTP front: bearer-key auth, the request body's size and time limit,
+Server-Sent Events. (The request head's limits are below ASGI: orchestrator.http.connection.)"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
@@ -22,34 +24,60 @@ def api_key_matches(authorization: bytes | str | None, api_key: str) -> bool:
 
 class BodyLimit:
     """413 for a request body over ``limit`` bytes, by its Content-Length or, for a chunked
-    body, as soon as it grows past it (plain ASGI middleware: the body is read once)."""
+    body, as soon as it grows past it; 408, closing the connection, for a body not all in
+    within ``timeout_s`` of the request's head (plain ASGI middleware: the body is read once).
 
-    def __init__(self, app, limit: int):
+    The timeout bounds the whole body, not the gap between two reads as nginx's
+    client_body_timeout does: a client that sent a byte now and then would otherwise hold its
+    connection and task for as long as it liked. It ends with the body: a response, however
+    long, is never timed.
+    """
+
+    def __init__(self, app, limit: int, timeout_s: float | None = None):
         self.app = app
         self.limit = limit
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length")
         too_large = length is not None and length.isdigit() and int(length) > self.limit
-        body, more = [], not too_large
-        size = 0
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message]), send)
-            size += len(message.get("body", b""))
-            body.append(message)
-            more = message.get("more_body", False)
-            if size > self.limit:
-                too_large = True
-                break
+        body: list = []
+        if not too_large:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    too_large, disconnect = await self._read(receive, body)
+            except TimeoutError:
+                err = APIError(408, f"the request body did not arrive within "
+                                    f"{self.timeout_s:g} s", code="request_timeout")
+                # The rest of the body may still come: the connection cannot carry another
+                # request, so uvicorn closes it after this response.
+                resp = JSONResponse(err.body(), status_code=408, headers={"Connection": "close"})
+                return await resp(scope, receive, send)
+            if disconnect is not None:
+                return await self.app(scope, _replay([disconnect]), send)
         if too_large:
             err = APIError(413, f"the request body exceeds {self.limit} bytes",
                            code="request_too_large")
             return await JSONResponse(err.body(), status_code=413)(scope, receive, send)
         await self.app(scope, _replay(body, receive), send)
+
+    async def _read(self, receive, body: list) -> tuple[bool, dict | None]:
+        """Read the body's messages into ``body``: (whether it grew past the limit, the
+        message that ended it early, a disconnect, or None)."""
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return False, message
+            size += len(message.get("body", b""))
+            body.append(message)
+            more = message.get("more_body", False)
+            if size > self.limit:
+                return True, None
+        return False, None
 
 
 def _replay(messages: list, receive=None):

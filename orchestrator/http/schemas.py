@@ -36,6 +36,9 @@ class ServeDefaults:
     # Larger bodies get 413 before they are read whole or parsed: 2 MiB holds a 128k-token
     # prompt of ordinary text, and parsing or tokenizing megabytes would hold the server up.
     max_body_bytes: int = 2 * 1024 * 1024
+    # A body not all in this long after its request's headers gets 408: the bodies OpenAI
+    # clients send are a few KB, and even a 2 MiB one needs only ~70 KB/s.
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         # Refuse bad defaults once, at start, rather than on every request.
@@ -43,6 +46,8 @@ class ServeDefaults:
         GenerationRequest([0], self.max_tokens, sampling, self.stop, self.mode, self.k)
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
 
 
 class _Body(BaseModel):

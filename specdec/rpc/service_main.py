@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
+import threading
+import time
 from typing import Callable
 
 from specdec.config import KERNEL_CHOICES, ServiceConfig
@@ -67,11 +71,33 @@ def service_config_from_args(args, role: str) -> ServiceConfig:
         raise SystemExit(f"error: {exc}")
 
 
+PARENT_ENV = "SPECDEC_PARENT_PID"  # (orchestrator.local.PARENT_ENV)
+
+
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """When a local starter (``specdec serve`` / ``generate``, orchestrator.local) names
+    itself in SPECDEC_PARENT_PID, stop this service once that process is gone, as SIGTERM
+    would: a killed starter leaves no services behind."""
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or not parent.isdigit():
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(parent):
+            time.sleep(poll_s)
+        logging.getLogger(__name__).warning("the process that started this service is gone; "
+                                            "stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def serve(args, make_host: Callable, role: str, **host_args) -> None:
     """Run a model service until it is terminated: ``make_host(config, **host_args)`` builds its
     ServiceHost (inside the running event loop, where the aio server must be made)."""
     configure_logging(args.log_level)
     config = service_config_from_args(args, role=role)
+    exit_with_parent()
 
     async def serve_forever() -> None:
         await make_host(config, **host_args).serve_forever(args.port_file)
