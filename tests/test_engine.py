@@ -33,6 +33,22 @@ def test_prefill_and_steps_match_transformers(tiny, which):
     assert cache.length == 40
 
 
+def test_features_are_the_final_norms_output_the_head_reads(tiny):
+    """forward_features: with each session's logits, the rows the head read them from (the
+    target's feature of a position, what a feature-conditioned draft is given): transformers'
+    last hidden state (after the final norm) at those positions."""
+    model, engine = tiny[0], tiny[1]
+    seqs = [list(range(100, 130)), list(range(7, 12))]
+    caches = [engine.new_cache() for _ in seqs]
+    logits, feats = engine.forward_features(caches, [torch.tensor(s) for s in seqs], [3, 1])
+    for ids, lg, ft, n in zip(seqs, logits, feats, (3, 1)):
+        with torch.no_grad():
+            hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+        assert ft.shape == (n, model.config.hidden_size)
+        torch.testing.assert_close(ft, hidden[-n:], atol=2e-4, rtol=1e-3)
+        torch.testing.assert_close(engine.head(ft).float(), lg)
+
+
 def test_ragged_batch_equals_each_session_alone(tiny):
     engine = tiny[1]
     seqs = [list(range(5, 25)), list(range(300, 307)), [42]]
@@ -161,3 +177,17 @@ def test_default_draft_for_a_target_without_a_shipped_one_is_its_int8_copy(tiny_
     other = tiny_models["target"]
     assert resolve_draft_spec("default-draft", other) == f"int8:{other}"
     assert resolve_draft_spec("ngram", other) == "ngram"
+
+
+def test_distillation_answers_keep_the_feature_that_predicted_each_token(tiny):
+    """specdec.distill.data with features: answer token i was the argmax of the head over
+    feature i (greedy), the last prompt position's feature first."""
+    from specdec.config import SamplingParams
+    from specdec.distill.data import generate_answers
+
+    engine = tiny[1]
+    jobs = [(list(range(100, 120)), SamplingParams()), (list(range(5, 9)), SamplingParams())]
+    for seq in generate_answers(engine, jobs, set(), 6, 2, 4, features=True):
+        feats = torch.stack(seq.features).float()
+        assert feats.shape == (6, engine.embed.shape[1])
+        assert engine.head(feats).argmax(-1).tolist() == seq.tokens

@@ -27,6 +27,9 @@ def register(sub) -> None:
     d.add_argument("--heldout-prompts", type=int, default=48)
     d.add_argument("--skip-data", action="store_true",
                    help="train on the shards already generated, generate no more")
+    d.add_argument("--features", action="store_true",
+                   help="keep the target's feature of every answer position with the data "
+                        "(for a feature-conditioned draft)")
     d.add_argument("--data-only", action="store_true",
                    help="generate (or finish generating) the shards, then stop")
     d.add_argument("--vocab", type=int, default=8192, help="draft head vocabulary size")
@@ -132,7 +135,8 @@ def cmd_distill(args) -> int:
         shards = write_shards(engine, tokenizer,
                               train_conversations(args.prompts, prompt_set=args.prompt_set),
                               work / "data", eos, max_new_tokens=args.max_new_tokens,
-                              batch_size=args.gen_batch, temperatures=temps, seed=args.seed)
+                              batch_size=args.gen_batch, temperatures=temps, seed=args.seed,
+                              features=args.features)
     if args.data_only:
         print(f"data: {len(shards)} shards in {work / 'data'} ({time.time() - t0:.0f} s)")
         return 0

@@ -31,6 +31,7 @@ class Sequence:
     tokens: list[int] = dataclasses.field(default_factory=list)  # answer so far
     top_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each [top_n]
     top_logprobs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    features: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each [hidden] fp16
     cache: object = None
 
 
@@ -42,8 +43,12 @@ def generate_answers(
     batch_size: int,
     top_n: int,
     progress: tqdm | None = None,
+    features: bool = False,
 ) -> list[Sequence]:
-    """Answer every (prompt ids, sampling) job with the target; continuous batching."""
+    """Answer every (prompt ids, sampling) job with the target; continuous batching.
+    ``features``: keep, for every answer token, the target's feature of the position that
+    predicted it (``LlamaEngine.forward_features``; the last prompt position's for the
+    first), in float16."""
     pending = [Sequence(prompt=p, sampling=s) for p, s in jobs]
     queue = list(pending)
     active: list[Sequence] = []
@@ -56,9 +61,12 @@ def generate_answers(
             torch.tensor(s.tokens[-1:] if s.tokens else s.prompt, dtype=torch.long)
             for s in active
         ]
-        logits = engine.forward([s.cache for s in active], feed, [1] * len(active))
+        logits, feats = engine.forward_features([s.cache for s in active], feed,
+                                                [1] * len(active))
         still = []
-        for seq, lg in zip(active, logits):
+        for seq, lg, ft in zip(active, logits, feats):
+            if features:
+                seq.features.append(ft[0].to(torch.float16))
             logprobs = lg[0].log_softmax(-1)
             top = logprobs.topk(top_n)
             seq.top_ids.append(top.indices.to(torch.int32))
@@ -92,8 +100,11 @@ def write_shards(
     temperatures: tuple[float, ...] = (0.0, 0.8),
     prompts_per_shard: int = 32,
     seed: int = 0,
+    features: bool = False,
 ) -> list[pathlib.Path]:
-    """Generate answers for all conversations at every temperature; write shards (resumable)."""
+    """Generate answers for all conversations at every temperature; write shards (resumable).
+    ``features``: each record also holds ``features`` [answer_len, hidden] (see
+    ``generate_answers``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     jobs = []
@@ -122,6 +133,7 @@ def write_shards(
                 batch_size,
                 top_n,
                 progress=bar,
+                features=features,
             )
             bar.update(sum(max_new_tokens - len(s.tokens) for s in seqs))
             records = [
@@ -132,6 +144,7 @@ def write_shards(
                     top_logprobs=torch.stack(s.top_logprobs),
                     temperature=s.sampling.temperature,
                     conversation=idx,
+                    **({"features": torch.stack(s.features)} if features else {}),
                 )
                 for s, (_, _, idx) in zip(seqs, part)
             ]

@@ -322,6 +322,17 @@ class LlamaEngine:
 
         Returns, per session, [num_logits[i], vocab_out] float32 (empty when 0).
         """
+        return self.forward_features(caches, tokens, num_logits)[0]
+
+    def forward_features(
+        self,
+        caches: Sequence[KVCache],
+        tokens: Sequence[torch.Tensor],
+        num_logits: Sequence[int],
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``forward``, and with each session's logits the rows the head read them from: the
+        final norm's output at those positions, [num_logits[i], hidden] (the target's
+        *feature* of a position, what a feature-conditioned draft is given)."""
         p = self._layout(caches, tokens)
         x = self.embed[p.flat]  # [N, hidden]
         if self.embed_scale is not None:
@@ -341,11 +352,13 @@ class LlamaEngine:
         rows = torch.cat([torch.arange(p.offsets[i + 1] - m, p.offsets[i + 1], device=self.device)
                           for i, m in enumerate(num_logits)])
         if rows.numel() == 0:
-            return [torch.empty(0, self.vocab_out) for _ in caches]
-        logits = self.head(self._rms_norm(x[rows], self.norm)).float()  # [sum n_i, vocab_out]
+            return ([torch.empty(0, self.vocab_out) for _ in caches],
+                    [x.new_empty(0, x.shape[1]) for _ in caches])
+        feats = self._rms_norm(x[rows], self.norm)
+        logits = self.head(feats).float()  # [sum n_i, vocab_out]
         if self.arch.final_softcap is not None:  # Gemma 2/3
             logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
-        return list(logits.split(list(num_logits)))
+        return list(logits.split(list(num_logits))), list(feats.split(list(num_logits)))
 
     def _layout(self, caches: Sequence[KVCache], tokens: Sequence[torch.Tensor]) -> "_Pass":
         """Where each session's new tokens sit in the flat batch, their RoPE angles, and per
