@@ -153,7 +153,10 @@ class ServiceConfig:
     # calls (a round trip away), so concurrent sessions share passes rather than alternate
     # in groups (BatchScheduler._regroup). A lone session pays nothing: nothing else waits.
     regroup_ms: float = 5.0
-    prefill_chunk: int = 256  # prompt tokens per forward pass, so prefill cannot starve rounds
+    prefill_chunk: int = 256  # prompt tokens of a pass no session waits on
+    # what prefill may add to a pass a session waits on, as a share of a decode-only pass
+    # (specdec.serving.scheduler.PrefillBudget): 0.5 keeps ~2/3 of a decoding session's speed
+    prefill_share: float = 0.5
     kernels: str = "auto"  # CPU linear kernels: auto (fastest per row count), onednn, mkl, mkl-t
     calibrate: bool = True  # measure forward costs at start (reported in GetInfo)
     tls_cert: str | None = None
@@ -190,6 +193,8 @@ class ServiceConfig:
             raise ValueError(f"regroup_ms must be >= 0, got {self.regroup_ms}")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {self.prefill_chunk}")
+        if not self.prefill_share > 0:
+            raise ValueError(f"prefill_share must be > 0, got {self.prefill_share}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca and not self.tls_cert:

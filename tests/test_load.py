@@ -1,5 +1,6 @@
 """A bounded load test of ``specdec serve`` on the real default pair, on loopback: 16 concurrent
-streaming clients (the openai package) for 60 s. No request may fail, every greedy answer must
+streaming clients (the openai package) for 60 s, some of whose streams are abandoned and one of
+which sends long prompts now and then. No request may fail, every greedy answer must
 equal the target-only answer, the KV caches must stay under their cap and be freed at the end,
 and the services' memory must not keep growing. Prints a report (``pytest -s``) and writes it
 to ``load-report.txt`` in the test's tmp dir."""
@@ -112,9 +113,38 @@ async def _one(client: openai.AsyncOpenAI, prompt: str, mode: str) -> Outcome:
                    ttft if ttft is not None else float("nan"))
 
 
-async def _load(url: str, until: float) -> tuple[list[Outcome], list[str]]:
+async def _abandoned(client: openai.AsyncOpenAI, prompt: str, mode: str) -> None:
+    """A stream its client leaves after three chunks (its generation is cancelled)."""
+    stream = await client.chat.completions.create(
+        model="specdec", messages=[{"role": "user", "content": prompt}], max_tokens=MAX_TOKENS,
+        temperature=0.7, seed=1, stream=True, extra_body={"specdec_mode": mode})
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == 3:
+            break
+    await stream.close()
+
+
+async def _long_prompt(client: openai.AsyncOpenAI) -> int:
+    """A completion of a prompt of LONG_PROMPT token ids (its prefill runs in chunks beside
+    the others' rounds): its completion tokens."""
+    r = await client.completions.create(
+        model="specdec", prompt=[100 + (i % 5000) for i in range(LONG_PROMPT)], max_tokens=1,
+        temperature=0)
+    return r.usage.completion_tokens
+
+
+LONG_PROMPT = 1500  # ids, sent by one client now and then
+
+
+async def _load(url: str, until: float) -> tuple[list[Outcome], list[str], dict[str, int]]:
+    """CLIENTS clients until ``until``: mostly greedy streams (checked against target-only),
+    every fifth request a stream abandoned after three chunks, and client 0's every fourth a
+    long prompt. Returns the checked outcomes, the failures, and counts of the others."""
     outcomes: list[Outcome] = []
     failures: list[str] = []
+    others = {"abandoned": 0, "long": 0}
 
     async def client_loop(i: int) -> None:
         # max_retries=0: a failure must show, not be retried away
@@ -125,12 +155,19 @@ async def _load(url: str, until: float) -> tuple[list[Outcome], list[str]]:
                 prompt, mode = PROMPTS[n % len(PROMPTS)], MODES[(n // len(PROMPTS)) % 2]
                 n += 1
                 try:
-                    outcomes.append(await _one(client, prompt, mode))
+                    if i == 0 and n % 4 == 0:
+                        assert await _long_prompt(client) == 1
+                        others["long"] += 1
+                    elif n % 5 == 0:
+                        await _abandoned(client, prompt, mode)
+                        others["abandoned"] += 1
+                    else:
+                        outcomes.append(await _one(client, prompt, mode))
                 except Exception as exc:  # every kind of failure counts
                     failures.append(f"client {i}: {prompt!r} {mode}: {exc!r}")
 
     await asyncio.gather(*(client_loop(i) for i in range(CLIENTS)))
-    return outcomes, failures
+    return outcomes, failures, others
 
 
 def _references(url: str) -> dict[str, str]:
@@ -157,7 +194,7 @@ def test_16_streaming_clients_for_60s(serve_with_key, tmp_path):
     sampler = Sampler(url, pids)
     sampler.start()
     started = time.monotonic()
-    outcomes, failures = asyncio.run(_load(url, started + DURATION_S))
+    outcomes, failures, others = asyncio.run(_load(url, started + DURATION_S))
     wall = time.monotonic() - started
     sampler.stop.set()
     sampler.join(30)
@@ -181,8 +218,10 @@ def test_16_streaming_clients_for_60s(serve_with_key, tmp_path):
     lines = [
         f"specdec load test: {CLIENTS} streaming clients, {DURATION_S:.0f} s of new requests, "
         f"{wall:.1f} s wall, max_tokens {MAX_TOKENS}, greedy, modes {'/'.join(MODES)}",
-        f"requests: {len(outcomes) + len(failures)} ({len(outcomes)} completed, "
-        f"{len(failures)} failed), differing from target-only: {len(mismatches)}",
+        f"requests: {len(outcomes) + len(failures) + sum(others.values())} ({len(outcomes)} "
+        f"checked, {others['abandoned']} abandoned streams, {others['long']} of "
+        f"{LONG_PROMPT} ids, {len(failures)} failed), differing from target-only: "
+        f"{len(mismatches)}",
         f"tokens: {tokens} ({tokens / wall:.1f} tok/s aggregate); latency p50 "
         f"{statistics.median(latencies):.2f} s, p95 "
         f"{latencies[int(0.95 * (len(latencies) - 1))]:.2f} s; ttft p50 "
@@ -203,6 +242,7 @@ def test_16_streaming_clients_for_60s(serve_with_key, tmp_path):
     assert not failures, report
     assert not mismatches, report
     assert len(outcomes) >= CLIENTS, report  # every client finished at least one request
+    assert others["abandoned"] > 0 and others["long"] > 0, report
     assert all(o.finish_reason in ("stop", "length") for o in outcomes)
     assert all(0 < o.completion_tokens <= MAX_TOKENS for o in outcomes)
     for r in pids:

@@ -43,7 +43,12 @@ def add_service_arguments(parser, default_model: str) -> None:
                         help="after a pass, wait up to this long for the sessions it answered "
                              "to send their next calls, so concurrent sessions share passes "
                              "(0: never wait)")
-    parser.add_argument("--prefill-chunk", type=int, default=256)
+    parser.add_argument("--prefill-chunk", type=int, default=256,
+                        help="prompt tokens of a pass no other session waits on")
+    parser.add_argument("--prefill-share", type=float, default=0.5,
+                        help="what a long prompt's prefill may add to a pass another session "
+                             "waits on, as a share of a decode-only pass (default %(default)s: "
+                             "a session decoding beside it keeps ~2/3 of its speed)")
     parser.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
                         help="CPU linear kernels: auto times oneMKL (as stored and on the "
                              "transposed weight, mkl-t) and prepacked oneDNN at start and keeps "
@@ -63,7 +68,8 @@ def service_config_from_args(args, role: str) -> ServiceConfig:
             session_ttl_s=args.session_ttl_s, max_message_bytes=args.max_message_bytes,
             max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
             regroup_ms=args.regroup_ms,
-            prefill_chunk=args.prefill_chunk, kernels=args.kernels,
+            prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
+            kernels=args.kernels,
             calibrate=not args.no_calibrate, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
         )

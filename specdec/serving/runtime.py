@@ -75,6 +75,7 @@ class _Runtime:
                 batch_wait_ms=config.batch_wait_ms,
                 regroup_ms=config.regroup_ms,
                 token_budget=config.prefill_chunk,
+                prefill_share=config.prefill_share,
                 after_pass=lambda pinned: self.store.enforce_limits(pinned),
                 name=f"{config.role}-model",
             )

@@ -4,9 +4,15 @@ Each call is a ``Work``: a small state machine that asks for one *piece* per ite
 tokens of its session and how many trailing logits it needs) and consumes the logits. Every
 iteration the scheduler admits queued work (up to ``max_batch`` sessions, one call per session
 at a time), gives each active work one piece, runs ONE ragged forward pass over all pieces, and
-hands the logits back. Fairness: pieces of works that are decoding (verify blocks, draft steps)
-go first; prompt prefill only gets what is left of a per-pass token budget, in chunks, so a long
-prompt cannot stall other sessions' rounds.
+hands the logits back.
+
+Fairness: pieces of works that are decoding (verify blocks, draft steps) go first; prompt
+prefill gets what is left, in chunks, shortest prompt first. The chunk is budgeted in *time*
+(``PrefillBudget``): while a session waits on the pass (it decodes in it, or is between its
+rounds and about to call again) a pass may cost at most (1 + ``prefill_share``) times a
+decode-only pass, at least one prefill token, so a long prompt cannot stall other sessions'
+rounds yet always progresses. A pass that no session waits on takes the full ``token_budget``
+(a long prompt alone prefills at full speed). The costs are learned from the passes themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ import torch
 from specdec.serving.engine import KVCache, LlamaEngine
 
 log = logging.getLogger(__name__)
+
+# A session that calls again within this of its last answer is in rounds (decoding), and a
+# pass is waited on while it is between them; a longer gap is a new turn, not a round.
+ROUND_GAP_S = 0.5
 
 
 @dataclasses.dataclass
@@ -69,6 +79,20 @@ class _Entry:
     ran: bool = False  # it has taken part in a pass
 
 
+@dataclasses.dataclass
+class _Pieces:
+    """What a work gave for a pass: its piece(s), and whether as a list (its logits go back
+    so)."""
+
+    entry: _Entry
+    group: list[Piece]
+    many: bool
+
+    @property
+    def tokens(self) -> int:
+        return sum(int(p.tokens.shape[0]) for p in self.group)
+
+
 def _settle(future: concurrent.futures.Future, result=None, exc: BaseException | None = None) -> None:
     """Resolve a future unless its caller already cancelled it."""
     if future.done():
@@ -80,6 +104,86 @@ def _settle(future: concurrent.futures.Future, result=None, exc: BaseException |
             future.set_result(result)
     except concurrent.futures.InvalidStateError:  # cancelled concurrently
         pass
+
+
+class PrefillBudget:
+    """How many prompt tokens a pass may prefill, from the costs of the passes so far.
+
+    A pass that a session waits on may cost at most (1 + ``share``) times a decode-only pass,
+    on average: its prefill chunk is ``share * decode_ms / prefill_ms_per_token`` tokens, at
+    most ``token_budget``. Where one token costs more than that share (attention at a long
+    context, a slow machine), the allowance of such passes carries over until it pays for one:
+    the prompt gets a token every few passes (it always progresses) and the share holds. A pass
+    nobody waits on takes
+    ``token_budget`` tokens: big chunks are the fastest way through a prompt.
+
+    Both costs are decayed averages of what ``observe`` is told: ``decode_ms``, the time of a
+    pass without prefill; ``prefill_ms_per_token``, the time a pass took beyond that, per
+    prefill token. Attention makes a token's cost grow with the context before it; the
+    average follows that growth, as each chunk starts where the last one ended. Decode-only
+    passes are rare while a prompt prefills beside decoding sessions, so one pass in
+    ``remeasure_every`` of those (and the first) is kept decode-only to measure one afresh.
+    """
+
+    def __init__(self, token_budget: int = 256, share: float = 0.5, decay: float = 0.25,
+                 remeasure_every: int = 16):
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if share <= 0:
+            raise ValueError(f"prefill share must be > 0, got {share}")
+        self.token_budget = token_budget
+        self.share = share
+        self.decay = decay  # weight of the newest observation
+        self.remeasure_every = remeasure_every
+        self.decode_ms: float | None = None
+        self.prefill_ms_per_token: float | None = None
+        self.carried_ms = 0.0  # prefill time earlier shared passes were allowed but not used
+        self._since_decode_only = 0  # passes since the last decode-only one
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.decay * (new - old)
+
+    def _allowance_ms(self) -> float:
+        """Prefill time the next shared pass may spend."""
+        return self.carried_ms + self.share * self.decode_ms
+
+    def observe(self, ms: float, decoding: bool, prefill_tokens: int,
+                shared: bool | None = None) -> None:
+        """One pass took ``ms``; ``decoding``: it carried decoding pieces; ``shared``: a
+        session waited on it (default: ``decoding``)."""
+        shared = decoding if shared is None else shared
+        if shared and self.decode_ms is not None and self.prefill_ms_per_token:
+            # a token dearer than a pass's share: what this pass was allowed and did not
+            # spend carries over (up to one token's cost) until it pays for one
+            left = self._allowance_ms() - prefill_tokens * self.prefill_ms_per_token
+            dear = self.share * self.decode_ms < self.prefill_ms_per_token
+            self.carried_ms = min(max(left, 0.0), self.prefill_ms_per_token) if dear else 0.0
+        if not prefill_tokens:
+            if decoding:
+                self.decode_ms = self._average(self.decode_ms, ms)
+                self._since_decode_only = 0
+            return
+        self._since_decode_only += 1
+        # what the prefill added to the pass (a pass costs about a decode-only one at least)
+        extra = max(ms - (self.decode_ms or 0.0), 0.0)
+        self.prefill_ms_per_token = self._average(self.prefill_ms_per_token, extra / prefill_tokens)
+
+    def tokens(self, decoding: bool, waited_on: bool = False) -> int:
+        """Prefill tokens for the next pass. ``decoding``: decoding pieces are in it;
+        ``waited_on``: a session waits on it without a piece in it (between its rounds)."""
+        if not decoding and not waited_on:
+            return self.token_budget
+        if decoding and (self.decode_ms is None or
+                         self._since_decode_only >= self.remeasure_every):
+            return 0  # this pass measures a decode-only pass
+        if self.decode_ms is None or not self.prefill_ms_per_token:
+            return 1
+        chunk = min(int(self.share * self.decode_ms / self.prefill_ms_per_token),
+                    self.token_budget)
+        if not chunk:  # a token dearer than the share: one once the allowance pays for it
+            chunk = int(self._allowance_ms() >= self.prefill_ms_per_token)
+        # (a pass with no decoding piece runs only if it prefills: there, at least one token)
+        return chunk if decoding else max(chunk, 1)
 
 
 class BatchScheduler:
@@ -94,7 +198,12 @@ class BatchScheduler:
         regroup_ms: float = 0.0,
         after_pass: Callable[[list[str]], None] | None = None,
         name: str = "scheduler",
+        prefill_share: float = 0.5,
+        clock: Callable[[], float] = time.perf_counter,
     ):
+        """``token_budget``: prefill tokens of a pass no session waits on; ``prefill_share``:
+        what prefill may add to a pass that one waits on, as a fraction of a decode-only pass
+        (see PrefillBudget); ``clock``: seconds, times the passes (tests inject their own)."""
         self.engine = engine
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_ms / 1000.0
@@ -104,7 +213,8 @@ class BatchScheduler:
         # draft service's sessions always do, is not waited for)
         self._answered: dict[str, float] = {}
         self._gaps: collections.OrderedDict[str, float] = collections.OrderedDict()
-        self.token_budget = token_budget
+        self.prefill = PrefillBudget(token_budget, prefill_share)
+        self.clock = clock
         self.after_pass = after_pass
         self._queue: collections.deque[_Entry] = collections.deque()
         self._cond = threading.Condition()
@@ -166,13 +276,8 @@ class BatchScheduler:
         sessions settle into groups whose passes alternate, each session waiting for the
         other group's pass every round (measured on one core, 4 sessions: passes of 2,
         every verify waiting a whole pass)."""
-        now = time.monotonic()
-        deadline = now + self.regroup_s
+        deadline = time.monotonic() + self.regroup_s
         with self._cond:
-            for sid in returning:
-                self._answered[sid] = now
-            while len(self._answered) > 4 * self.max_batch:  # sessions that never came back
-                self._answered.pop(next(iter(self._answered)))
             # only the sessions whose next call came soon after their last answer
             returning = {sid for sid in returning if self._gaps.get(sid, 0.0) < self.regroup_s}
             while not self._stop and not self._arrived(active, returning) and \
@@ -188,7 +293,7 @@ class BatchScheduler:
         returning: set[str] = set()  # sessions the last pass answered: their next call comes
         while True:
             if returning and self.regroup_s > 0:
-                self._regroup(active, returning)  # (also notes when they were answered)
+                self._regroup(active, returning)
             returning = set()
             with self._cond:
                 while not self._stop and not self._queue and not active:
@@ -219,58 +324,104 @@ class BatchScheduler:
                 except Exception:  # bookkeeping must never stop the model thread
                     log.exception("after_pass hook failed")
 
+    def _note_answered(self, sessions: list[str]) -> None:
+        """Note when these sessions' calls were answered (before their callers can hear it)."""
+        now = time.monotonic()
+        with self._cond:
+            for sid in sessions:
+                self._answered[sid] = now
+            while len(self._answered) > 4 * self.max_batch:  # sessions that never came back
+                self._answered.pop(next(iter(self._answered)))
+
+    def _between_rounds(self) -> bool:
+        """Whether a session answered lately will soon call again: one in rounds (its last
+        call came within ROUND_GAP_S of the answer before it, e.g. a spec-mode session that
+        drafts between its verifies), answered less than twice that gap ago (so a session
+        that finished stops counting soon)."""
+        now = time.monotonic()
+        with self._cond:
+            return any(gap < ROUND_GAP_S and now - self._answered[sid] < 2 * gap
+                       for sid, gap in self._gaps.items() if sid in self._answered)
+
+    def _ask(self, entry: _Entry, budget: int) -> _Pieces | None:
+        """The work's piece(s) for this pass (None: nothing this pass)."""
+        if entry.future.done():
+            return None
+        if entry.work.cancelled:
+            entry.future.cancel()
+            return None
+        try:
+            piece = entry.work.next_piece(budget)
+        except Exception as exc:
+            _settle(entry.future, exc=exc)
+            return None
+        if piece is None:
+            return None
+        many = isinstance(piece, list)
+        group = piece if many else [piece]
+        return _Pieces(entry, group, many) if group else None
+
+    def _pieces(self, active: list[_Entry]) -> list[_Pieces]:
+        """Each work's piece(s) for this pass: every decoding piece, then prompt chunks within
+        the prefill budget, shortest prompt first (it is answered soonest)."""
+        pieces: list[_Pieces] = []
+        prompts: list[_Pieces] = []  # each asked for all of its prompt left
+        for entry in active:
+            asked = self._ask(entry, 1 << 30)
+            if asked is None:
+                continue
+            if not any(p.prefill for p in asked.group):
+                pieces.append(asked)
+            elif all(p.prefill for p in asked.group):
+                prompts.append(asked)
+        decoding = bool(pieces)
+        waited_on = bool(prompts) and not decoding and self._between_rounds()
+        self._shared_pass = decoding or waited_on
+        budget = self.prefill.tokens(decoding, waited_on)
+        for prompt in sorted(prompts, key=lambda a: a.tokens):
+            if budget <= 0:
+                break
+            asked = self._ask(prompt.entry, budget)
+            if asked is None or not all(p.prefill for p in asked.group):
+                continue
+            pieces.append(asked)
+            budget -= asked.tokens
+            if asked.tokens >= prompt.tokens:  # its prompt is done: it decodes next pass,
+                # so it waits on this one
+                budget = min(budget, self.prefill.tokens(decoding=False, waited_on=True))
+        return pieces
+
     def _step(self, active: list[_Entry]) -> None:
-        # per work: its piece(s) this pass, and whether it gave a list (its logits go back so)
-        pieces: list[tuple[_Entry, list[Piece], bool]] = []
-        budget = self.token_budget
-        # Decoding pieces first (they are small and someone is waiting on each), then prefill.
-        for want_prefill in (False, True):
-            for entry in active:
-                if entry.future.done() or any(entry is p[0] for p in pieces):
-                    continue
-                if entry.work.cancelled:
-                    entry.future.cancel()
-                    continue
-                try:
-                    piece = entry.work.next_piece(max(budget, 0) if want_prefill else 1 << 30)
-                except Exception as exc:
-                    _settle(entry.future, exc=exc)
-                    continue
-                if piece is None:
-                    continue
-                many = isinstance(piece, list)
-                group = piece if many else [piece]
-                if not group or any(p.prefill != want_prefill for p in group):
-                    continue
-                if want_prefill:
-                    if budget <= 0 and pieces:
-                        continue
-                    budget -= sum(int(p.tokens.shape[0]) for p in group)
-                pieces.append((entry, group, many))
+        pieces = self._pieces(active)
         if not pieces:
             return
-        flat = [p for _, group, _ in pieces for p in group]
+        flat = [p for asked in pieces for p in asked.group]
         now = time.monotonic()
-        for entry, _, _ in pieces:
-            if not entry.ran:  # what it waited for: the pass in progress, queued work
-                entry.ran = True
-                entry.work.queued_s = now - entry.queued_at
-        started = time.perf_counter()
+        for asked in pieces:
+            if not asked.entry.ran:  # what it waited for: the pass in progress, queued work
+                asked.entry.ran = True
+                asked.entry.work.queued_s = now - asked.entry.queued_at
+        started = self.clock()
         try:
             logits = self.engine.forward([p.cache for p in flat], [p.tokens for p in flat],
                                          [p.num_logits for p in flat])
         except Exception as exc:
             log.exception("forward pass failed")
-            for entry, _, _ in pieces:
-                _settle(entry.future, exc=exc)
+            for asked in pieces:
+                _settle(asked.entry.future, exc=exc)
             return
-        elapsed = time.perf_counter() - started
+        elapsed = self.clock() - started
         self.forward_passes += 1
-        pass_tokens = sum(int(p.tokens.shape[0]) for p in flat)
+        self.prefill.observe(elapsed * 1000.0, decoding=any(not p.prefill for p in flat),
+                             prefill_tokens=sum(a.tokens for a in pieces if a.group[0].prefill),
+                             shared=self._shared_pass)
+        pass_tokens = sum(a.tokens for a in pieces)
+        answered: list[_Entry] = []
         at = 0
-        for entry, group, many in pieces:
-            lg = logits[at:at + len(group)] if many else logits[at]
-            at += len(group)
+        for asked in pieces:
+            entry, n = asked.entry, len(asked.group)
+            lg = logits[at:at + n] if asked.many else logits[at]
+            at += n
             entry.work.compute_s += elapsed
             entry.work.batch_size = len(flat)
             entry.work.pass_tokens = pass_tokens
@@ -278,6 +429,12 @@ class BatchScheduler:
                 continue
             try:
                 if entry.work.consume(lg):
-                    _settle(entry.future, entry.work.result())
+                    answered.append(entry)
+            except Exception as exc:
+                _settle(entry.future, exc=exc)
+        self._note_answered([e.work.session_id for e in answered])
+        for entry in answered:
+            try:
+                _settle(entry.future, entry.work.result())
             except Exception as exc:
                 _settle(entry.future, exc=exc)
