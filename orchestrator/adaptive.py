@@ -159,8 +159,9 @@ class LiveCosts(Costs):
         line = self._pass_line() if self.target_batch > LOADED_BATCH else None
         if line is None:
             return super().pass_ms(tokens)
+        # (never below a one-token pass: a line fitted to noisy passes can cross zero)
         intercept, slope = line
-        return max(intercept + slope * tokens, 0.0)
+        return max(intercept + slope * tokens, super().pass_ms(1.0))
 
     def _pass_line(self) -> tuple[float, float] | None:
         """(ms, ms per token) of the fitted pass cost, or None while the passes seen are too

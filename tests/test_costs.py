@@ -115,6 +115,21 @@ def test_k_falls_to_zero_under_a_large_batch_and_rises_when_it_empties():
     assert _k_after(costs, batch=1) >= 2  # the batch emptied: speculation resumes
 
 
+def test_a_pass_line_that_crosses_zero_never_costs_a_pass_nothing():
+    """Under load the passes are costed by a line fitted to them; noisy passes can fit one
+    with a negative intercept (here steep: 1 ms at 8 tokens, 60 ms at 10). A pass still costs
+    at least a one-token pass, so the load model divides by no zero (a ZeroDivisionError in
+    raises_throughput failed a generation in CI's batching test)."""
+    costs = live()
+    for tokens, ms in [(8, 1.0), (10, 60.0)] * 6:
+        costs.observe(rec("target", ms, 1, batch=4, pass_tokens=tokens))
+    intercept, slope = costs._pass_line()
+    assert intercept + slope * 4 < 0  # the line alone says a 4-token pass is free
+    assert costs.target_batch > adaptive.LOADED_BATCH
+    assert costs.pass_ms(4) == costs.pass_ms(1) > 0
+    adaptive.raises_throughput(costs, 2, 2.5, 0.5)  # (raised ZeroDivisionError)
+
+
 def test_k_follows_what_batched_passes_cost_not_the_one_session_calibration(monkeypatch):
     """Batched, the target's pass grows 3.5 ms per token (several sessions' rows) where its
     one-session calibration grows ~1 ms, and each call waits half a pass for the one in
