@@ -119,7 +119,7 @@ def test_a_pass_line_that_crosses_zero_never_costs_a_pass_nothing():
     """Under load the passes are costed by a line fitted to them; noisy passes can fit one
     with a negative intercept (here steep: 1 ms at 8 tokens, 60 ms at 10). A pass still costs
     at least a one-token pass, so the load model divides by no zero (a ZeroDivisionError in
-    raises_throughput failed a generation in CI's batching test)."""
+    raises_throughput failed a generation in the full suite's batching test)."""
     costs = live()
     for tokens, ms in [(8, 1.0), (10, 60.0)] * 6:
         costs.observe(rec("target", ms, 1, batch=4, pass_tokens=tokens))
