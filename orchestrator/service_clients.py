@@ -382,13 +382,14 @@ class TargetClient(ServiceClient):
     RECHECK_S = 0.25  # while down, a call asks the health check at most this often
 
     def __init__(self, *args, unavailable_deadline_s: float = 0.0,
-                 prefill_s_per_token: float = 0.05, **kwargs):
+                 prefill_s_per_token: float = 0.2, **kwargs):
         super().__init__(*args, **kwargs)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
         self.unavailable_deadline_s = unavailable_deadline_s
         # A call's deadline grows with the tokens it sends (a long prompt's prefill): the
-        # call's own timeout_s plus this much per token (0.05 s: 20 tokens/s, ~15x below this
-        # CPU's prefill rate, so only a stalled target reaches it).
+        # call's own timeout_s plus this much per token (0.2 s: 5 tokens/s. Alone this CPU
+        # prefills ~110-300 tokens/s; beside a stream of small requests, whose decoding keeps
+        # its share of every pass, a 4,000-token prompt went at ~24 tokens/s).
         self.prefill_s_per_token = prefill_s_per_token
         self.down: str | None = None  # why the target is down, while it is
         self._checked_at = 0.0
