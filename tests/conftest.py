@@ -317,15 +317,9 @@ KEY = "sekret"  # the API key of serve_with_key
 
 def child_pids(pid: int) -> set[int]:
     """Process ids whose parent is ``pid`` (Linux /proc)."""
-    out = set()
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.add(int(stat.parent.name))
-    return out
+    from bench.faults import children
+
+    return {child for child, _ in children(pid)}
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ import time
 
 import openai
 import pytest
-from conftest import CHAT_PROMPTS, KEY, child_pids, scrape
+from conftest import CHAT_PROMPTS, KEY, scrape
+
+from bench.faults import services
 
 pytestmark = pytest.mark.real
 
@@ -52,12 +54,7 @@ def _rss_kib(pid: int, field: str = "VmRSS") -> int:
 
 def _service_pids(serve_pid: int) -> dict[str, int]:
     """The target and draft service processes ``specdec serve`` started."""
-    pids = {}
-    for pid in child_pids(serve_pid):
-        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        for role in ("target", "draft"):
-            if f"{role}_service".encode() in cmdline:
-                pids[role] = pid
+    pids = services(serve_pid)
     assert set(pids) == {"target", "draft"}, pids
     return pids
 
