@@ -16,6 +16,10 @@ import threading
 import time
 from typing import Callable
 
+# PARENT_ENV tells a service which process started it: a service whose starter is gone stops,
+# so a killed `specdec serve` leaves no services behind.
+from specdec.rpc.service_main import PARENT_ENV
+
 log = logging.getLogger(__name__)
 
 
@@ -43,9 +47,6 @@ class ServiceRefused(ValueError):
 # started it, so that a later start can remove the folders of a starter that is gone (killed
 # before it could remove them itself).
 _DIR = re.compile(r"specdec-(?:draft|target)-(\d+)-[^/]+")
-# The variable that tells a service which process started it: a service whose starter is
-# gone stops (specdec.rpc.service_main), so a killed `specdec serve` leaves no services behind.
-PARENT_ENV = "SPECDEC_PARENT_PID"
 
 
 def _alive(pid: int) -> bool:

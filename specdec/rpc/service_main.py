@@ -77,7 +77,7 @@ def service_config_from_args(args, role: str) -> ServiceConfig:
         raise SystemExit(f"error: {exc}")
 
 
-PARENT_ENV = "SPECDEC_PARENT_PID"  # (orchestrator.local.PARENT_ENV)
+PARENT_ENV = "SPECDEC_PARENT_PID"  # set by orchestrator.local for the services it starts
 
 
 def exit_with_parent(poll_s: float = 1.0) -> None:
