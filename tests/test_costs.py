@@ -5,6 +5,7 @@ import random
 import pytest
 
 from orchestrator import adaptive
+from orchestrator import costs as cost_model
 from orchestrator.adaptive import Costs, KController, LiveCosts, LookupSizer
 from orchestrator.service_clients import CallRecord
 
@@ -55,7 +56,7 @@ def test_a_verify_that_waits_because_it_drafted_charges_the_wait_to_drafting(mon
     every round alike (one wait for all) it would make long blocks look cheap. (The load
     margin and the throughput condition aside: the wait's attribution alone.)"""
     monkeypatch.setattr(adaptive, "LOAD_MARGIN", 0.0)
-    monkeypatch.setattr(adaptive, "LOADED_BATCH", float("inf"))
+    monkeypatch.setattr(cost_model, "LOADED_BATCH", float("inf"))
 
     def run(split_waits: bool) -> int:
         costs = live()
@@ -125,7 +126,7 @@ def test_a_pass_line_that_crosses_zero_never_costs_a_pass_nothing():
         costs.observe(rec("target", ms, 1, batch=4, pass_tokens=tokens))
     intercept, slope = costs._pass_line()
     assert intercept + slope * 4 < 0  # the line alone says a 4-token pass is free
-    assert costs.target_batch > adaptive.LOADED_BATCH
+    assert costs.target_batch > cost_model.LOADED_BATCH
     assert costs.pass_ms(4) == costs.pass_ms(1) > 0
     adaptive.raises_throughput(costs, 2, 2.5, 0.5)  # (raised ZeroDivisionError)
 
@@ -137,7 +138,7 @@ def test_k_follows_what_batched_passes_cost_not_the_one_session_calibration(monk
     calibration alone would speculate there (without the load margin and the throughput
     condition: the line alone)."""
     monkeypatch.setattr(adaptive, "LOAD_MARGIN", 0.0)
-    monkeypatch.setattr(adaptive, "LOADED_BATCH", float("inf"))
+    monkeypatch.setattr(cost_model, "LOADED_BATCH", float("inf"))
 
     def batched(m):
         return 20.0 + 3.5 * m
@@ -157,7 +158,7 @@ def test_under_load_a_gain_within_the_margin_is_no_gain(monkeypatch):
     """While the target batches B sessions, k > 0 needs a predicted gain over k = 0 above
     LOAD_MARGIN per other session; alone, any gain speculates. (The throughput condition
     aside: the margin alone.)"""
-    monkeypatch.setattr(adaptive, "LOADED_BATCH", float("inf"))
+    monkeypatch.setattr(cost_model, "LOADED_BATCH", float("inf"))
     costs = live()
     costs.target_batch = 5.0
     ctl = KController(CURVE, [3.0], costs=costs)
@@ -248,7 +249,7 @@ def test_under_load_a_probe_is_drafted_behind_and_stays_due_until_a_block_is_ver
     ctl.observe(2, 0)  # (a probe just verified)
     assert ctl.best_k() == 0
     due = int(ctl.probe_due())
-    assert due == int(ctl.costs.probe_every()) * ctl.backoff and ctl.backoff > 1
+    assert due == int(ctl.probes.every()) * ctl.backoff and ctl.backoff > 1
     for _ in range(due):
         assert ctl.next_k(after_full_accept=True) == 0 and ctl.next_k() == 0
         ctl.observe(0, 0)
@@ -380,7 +381,7 @@ def test_a_new_generation_can_start_from_the_acceptance_its_predecessors_saw(mon
     once it holds enough (the orchestrator passes it while others run): a draft the last
     generations rejected is not drafted again for the first rounds of the next one. (The
     throughput condition aside: the prior alone.)"""
-    monkeypatch.setattr(adaptive, "LOADED_BATCH", float("inf"))
+    monkeypatch.setattr(cost_model, "LOADED_BATCH", float("inf"))
     costs = live()
     costs.target_batch = 4.0
     pool = adaptive.Acceptance(decay=adaptive.POOL_DECAY)
