@@ -24,7 +24,7 @@ def shares_compute(args) -> bool:
 
     Then draft and target compete for the same compute, and overlapping them (pipelined) only
     splits it: measured on a 2-core CPU, sequential rounds with all cores per service beat
-    pipelined rounds with one core each (README, Results). Pipelining pays when the draft has
+    pipelined rounds with one core each (docs/performance.md). Pipelining pays when the draft has
     its own hardware: services at --draft-addr / --target-addr, or a Ray/Kubernetes deployment.
     """
     return args.target_addr is None and args.draft_addr is None
@@ -270,7 +270,7 @@ async def compare_with_target_alone(orch, req, result, args) -> None:
     if req.sampling.drafter_invariant:
         same = all(tokens == result.token_ids for _, tokens, _ in rows)
         line += ("; generated tokens identical in every run" if same else
-                 "; WARNING: the texts differ (see the README's exactness notes)")
+                 "; WARNING: the texts differ (see the exactness notes in docs/design.md)")
     else:
         line += ("; sampled texts differ between modes under the rejection rule (the same "
                  "distribution, not the same draw)")

@@ -41,7 +41,7 @@ held: up to three copies of the weights).
 (``int8:<spec>``), on smallm's int8 variant.
 
 The kernels round fp32 differently in the last bits (logits of the default target differ by up
-to ~5e-5), which the exactness notes in the README account for.
+to ~5e-5), which the exactness notes in docs/design.md account for.
 """
 
 from __future__ import annotations
