@@ -142,6 +142,9 @@ class Probes:
 
 
 class KController:
+    """Adaptive k for one generation: the block length of the highest expected tokens per ms
+    (``rate``) at its acceptance and the costs, with probes while k stays 0."""
+
     def __init__(self, target_ms: list[float], draft_ms: list[float], fixed_k: int | None = None,
                  pipelined: bool = False, prior_a: float = PRIOR_A,
                  prior_weight: float = PRIOR_WEIGHT, decay: float = ACCEPTANCE_DECAY,
