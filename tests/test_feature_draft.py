@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec.distill import feature_draft as fd
+from specdec.distill import feature_model as fm
 from specdec.distill.train import simulate_tokens_per_round
 
 VOCAB, HIDDEN = 64, 32
@@ -104,7 +105,7 @@ def test_chain_passes_equal_drafting_with_the_step_api():
 
 
 def test_chain_mask():
-    m = fd.chain_mask(2, 3).int()
+    m = fm.chain_mask(2, 3).int()
     expected = torch.tensor([
         # pass 1 keys | pass 2 keys
         [1, 0, 0, 0, 0, 0],  # pass 1, row 0: causal
@@ -115,7 +116,7 @@ def test_chain_mask():
         [1, 1, 0, 0, 0, 1],
     ])
     assert torch.equal(m, expected)
-    m3 = fd.chain_mask(3, 5)
+    m3 = fm.chain_mask(3, 5)
     q = 2 * 5 + 4  # pass 3, row 4: chain from true row 2, its pass-2 row 3, itself
     assert m3[q].nonzero().squeeze(1).tolist() == [0, 1, 2, 5 + 3, 10 + 4]
 
