@@ -13,7 +13,7 @@ import secrets
 from orchestrator.generation import MODES, GenerationRequest
 from orchestrator.http.errors import invalid
 from orchestrator.http.schemas import MAX_N, ChatBody, CompletionBody, GenerateBody, ServeDefaults
-from orchestrator.http.structured import Structure, structure_of, tool_call_text, tools_prompt
+from orchestrator.http.structured import Structure, structure_of, tool_call_text
 from specdec.config import MAX_TOP_LOGPROBS, SamplingParams
 from specdec.models.tokenizer import chat_prompt_ids, encode_prompt
 from specdec.serving.grammar import GrammarError, Grammars
@@ -102,8 +102,8 @@ class RequestBuilder:
             # Chat templates know "system"; OpenAI's newer name for it is "developer".
             messages.append({"role": "system" if m.role == "developer" else m.role,
                              "content": text})
-        if structure is not None and structure.calls_tools:  # the tools, in the system turn
-            offer = tools_prompt(structure)
+        if structure is not None and structure.instruction:  # the form, in the system turn
+            offer = structure.instruction
             if messages[0]["role"] == "system":
                 messages[0]["content"] = f"{messages[0]['content']}\n\n{offer}"
             else:

@@ -41,6 +41,9 @@ class Structure:
     grammar: str = ""  # xgrammar EBNF for SamplingParams.grammar; "" = free text
     tool_mode: str = "none"  # none | auto | required | named
     tools: list[dict] = dataclasses.field(default_factory=list)  # the functions offered
+    # what the system turn tells the model of the form (the grammar alone does not say when
+    # a string should end: a small model told nothing wrote strings to max_tokens)
+    instruction: str = ""
 
     @property
     def calls_tools(self) -> bool:
@@ -159,14 +162,17 @@ def structure_of(response_format: dict | None, tools: list | None, tool_choice) 
         raise invalid("response_format and tools (unless tool_choice is none) cannot be "
                       "combined: a tool call has its own form", "response_format")
     if kind == "json_object":
-        return Structure(schema_grammar({"type": "object"}, "response_format", strict=False))
+        return Structure(schema_grammar({"type": "object"}, "response_format", strict=False),
+                         instruction="Reply with a short JSON object only.")
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or "schema" not in spec:
             raise invalid("response_format.json_schema must be an object with a schema",
                           "response_format")
         return Structure(schema_grammar(spec["schema"], "response_format.json_schema.schema",
-                                        strict=bool(spec.get("strict", False))))
+                                        strict=bool(spec.get("strict", False))),
+                         instruction="Reply with a short JSON object only, matching this JSON "
+                                     f"schema: {json.dumps(spec['schema'])}")
     if mode == "none":
         return Structure()
     for f in chosen:  # 400 on a tool's schema before its call's
@@ -177,7 +183,9 @@ def structure_of(response_format: dict | None, tools: list | None, tool_choice) 
         grammar = _tagged_grammar(call)
     else:
         grammar = schema_grammar(call, "tools", strict=True)
-    return Structure(grammar, mode, functions)
+    structure = Structure(grammar, mode, functions)
+    structure.instruction = tools_prompt(structure)
+    return structure
 
 
 def _tagged_grammar(call: dict) -> str:
