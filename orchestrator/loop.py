@@ -55,6 +55,7 @@ from orchestrator.text import TextStream
 from specdec.config import MAX_K, SamplingParams
 from specdec.serving.branching import MAX_BRANCHES
 from specdec.serving.drafting import lookup
+from specdec.serving.grammar import GrammarState, Grammars
 from specdec.wire import specdec_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -77,12 +78,16 @@ LATE_BRANCH_MS = 2.0
 
 
 def _lookup_block(history: list[int], room: int, sampling: SamplingParams,
-                  min_ngram: int) -> Block | None:
+                  min_ngram: int, grammar: GrammarState | None = None) -> Block | None:
     """Prompt lookup: what followed the latest earlier occurrence of the history's last
-    ``min_ngram``..5 tokens, as a block (q is one-hot on each proposed token), or None."""
+    ``min_ngram``..5 tokens, as a block (q is one-hot on each proposed token), or None.
+    Under a grammar the block ends before the first token the grammar refuses."""
     if room < 1:
         return None
     tokens = lookup(history, min(LOOKUP_MAX_TOKENS, room), LOOKUP_MAX_NGRAM, min_ngram)
+    if tokens and grammar is not None:
+        grammar.sync(history)
+        tokens = tokens[: grammar.legal_prefix(tokens)]
     if not tokens:
         return None
     return Block(tokens, [] if sampling.drafter_invariant else [([t], [1.0]) for t in tokens],
@@ -121,6 +126,11 @@ class Orchestrator:
         # of the adaptive k of a generation that starts while others run (_controller).
         self.acceptance = Acceptance(decay=POOL_DECAY)
         self.lookups = LookupPool()  # ... and their lookup blocks' accepted tokens
+        # Constrained requests: the front compiles their grammars here (a grammar that does
+        # not compile is the client's error), and prompt-lookup blocks stop at the first
+        # token the grammar refuses. The services run their own matchers.
+        info = self.target.info
+        self.grammars = Grammars(tokenizer, info.vocab_size if info else None, eos_ids)
 
     def _calibrated_costs(self, kind: type[Costs] = Costs) -> Costs:
         """Costs from the services' start-up calibration (GetInfo.forward_ms)."""
@@ -329,6 +339,8 @@ class _Drafting:
         speculate = req.mode != "target-only"
         self.k_ctl = orch._controller(req) if speculate and orch.draft is not None else None
         self.lookup = orch._lookup_sizer(req) if speculate and req.prompt_lookup else None
+        self.grammar = orch.grammars.state(req.sampling.grammar, len(req.prompt_ids)) \
+            if self.lookup is not None and req.sampling.grammar else None
         self.warmup: asyncio.Task | None = None  # the first round's draft prefill
 
     async def plan(self, history: History, carried: Block | None, remaining: int,
@@ -350,7 +362,8 @@ class _Drafting:
         if carried is None and self.lookup is not None:
             found = _lookup_block(history.tokens, min(self.lookup.size(), remaining - 1),
                                   self.req.sampling,
-                                  LOOKUP_MIN_NGRAM if k > 0 else LOOKUP_MIN_NGRAM_ALONE)
+                                  LOOKUP_MIN_NGRAM if k > 0 else LOOKUP_MIN_NGRAM_ALONE,
+                                  self.grammar)
             # Free to draft, but it takes the round from the draft model's block: only when
             # its expected rate beats that block's (a draft that agrees with the target 95%
             # of the time beats most lookups, the shipped draft few).

@@ -37,6 +37,12 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI's, on output tokens, in [-2, 2]
     repetition_penalty: float = 1.0  # HF's / vLLM's, on prompt and output tokens, > 0
     prompt_len: int = 0  # leading tokens that are the prompt (not output) for the first two
+    # Grammar (xgrammar EBNF) the output tokens must match; "" = unconstrained. Every service
+    # masks its logits with it (specdec.serving.grammar).
+    grammar: str = ""
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) added to the logits before
+    # temperature, sorted by id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not (0.0 <= self.temperature <= _FLOAT32_MAX):  # also refuses NaN
@@ -59,6 +65,12 @@ class SamplingParams:
             raise ValueError(f"prompt_len must be >= 0, got {self.prompt_len}")
         if self.rule not in RULES:
             raise ValueError(f"rule must be one of {', '.join(RULES)}, got {self.rule!r}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise ValueError(f"logit_bias: token ids must be >= 0, got {token}")
+            if not -100.0 <= bias <= 100.0:  # also refuses NaN
+                raise ValueError(f"logit_bias: biases must be in [-100, 100], got {bias} for "
+                                 f"token {token}")
 
     @property
     def greedy(self) -> bool:
@@ -98,6 +110,8 @@ class SamplingParams:
             repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty != 0
             else 1.0,
             prompt_len=int(msg.prompt_len),
+            grammar=msg.grammar,
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in msg.logit_bias.items())),
         )
 
     def to_wire(self, pb):
@@ -106,6 +120,7 @@ class SamplingParams:
             rule=RULE_NUMBERS[self.rule], presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, prompt_len=self.prompt_len,
+            grammar=self.grammar, logit_bias=dict(self.logit_bias),
         )
 
 

@@ -32,6 +32,7 @@ from orchestrator.http.middleware import BearerAuth, BodyLimit, EventStream, sse
 from orchestrator.http.requests import RequestBuilder
 from orchestrator.http.responses import LogprobShapes, is_result, specdec_stats, usage
 from orchestrator.http.schemas import ChatBody, CompletionBody, ServeDefaults
+from orchestrator.http.structured import Structure, ToolStream, split_tool_calls
 from orchestrator.service_clients import ServiceError
 
 log = logging.getLogger(__name__)
@@ -179,14 +180,19 @@ class _Front:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def events(self, reqs: list[GenerationRequest], endpoint: str, chat: bool, head: dict,
-                     include_usage: bool) -> AsyncIterator[str]:
-        """The SSE body of a streamed response (choices interleaved as they come, by index)."""
+                     include_usage: bool, structure: Structure | None = None,
+                     ) -> AsyncIterator[str]:
+        """The SSE body of a streamed response (choices interleaved as they come, by index).
+        A tool-calling choice streams its text before a call as content, the call whole at
+        the end (as one tool_calls delta)."""
         extra = {"usage": None} if include_usage else {}
         want_logprobs = reqs[0].logprobs is not None
         offsets = [0] * len(reqs)  # completions: characters streamed per choice
+        tools = [ToolStream(structure) for _ in reqs] \
+            if structure is not None and structure.calls_tools else None
 
         def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False,
-                  logprobs=None) -> dict:
+                  logprobs=None, tool_calls: list | None = None) -> dict:
             lp = None
             if want_logprobs and logprobs is not None:
                 lp = self.shapes.chat_logprobs(logprobs) if chat else \
@@ -194,6 +200,9 @@ class _Front:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else \
                     ({} if text is None else {"content": text})
+                if tool_calls:
+                    delta = {"tool_calls": [{"index": n, **call}
+                                            for n, call in enumerate(tool_calls)]}
                 choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
                 choice = {"index": i, "text": text or "", "logprobs": lp,
@@ -208,9 +217,22 @@ class _Front:
             # aclosing: when we are closed at a yield, the generations must be closed too
             async with contextlib.aclosing(self._items(reqs, endpoint)) as items:
                 async for i, item in items:
+                    finish = None
+                    if tools is not None and is_result(item):
+                        rest, calls = tools[i].finish()
+                        if rest:
+                            yield sse(chunk(i, rest))
+                        if calls:
+                            yield sse(chunk(i, None, tool_calls=calls))
+                            finish = "tool_calls"
+                    elif tools is not None:
+                        text = tools[i].feed(item.text)
+                        if text or (want_logprobs and item.logprobs):
+                            yield sse(chunk(i, text, logprobs=item.logprobs))
+                        continue
                     if is_result(item):
                         results[i] = item
-                        last = chunk(i, None, item.finish_reason)
+                        last = chunk(i, None, finish or item.finish_reason)
                         last["specdec"] = specdec_stats(item)
                         yield sse(last)
                     elif item.text or (want_logprobs and item.logprobs):
@@ -228,11 +250,12 @@ class _Front:
         yield sse("[DONE]")
 
     async def respond(self, request: Request, body, prompt_ids: list[int], chat: bool,
-                      max_tokens: int | None):
+                      max_tokens: int | None, structure: Structure | None = None):
         self.requests.unsupported(body)
         rid = request.headers.get("x-request-id", "")
         rid = rid if _REQUEST_ID.match(rid) else uuid.uuid4().hex[:16]
-        reqs = self.requests.generation_requests(body, prompt_ids, rid, max_tokens)
+        reqs = self.requests.generation_requests(body, prompt_ids, rid, max_tokens,
+                                                 structure.grammar if structure else "")
         endpoint = request.url.path
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
                 "object": "chat.completion.chunk" if chat else "text_completion",
@@ -240,7 +263,8 @@ class _Front:
         headers = {"X-Request-Id": rid}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EventStream(self.events(reqs, endpoint, chat, head, include_usage),
+            return EventStream(self.events(reqs, endpoint, chat, head, include_usage,
+                                           structure),
                                 headers={**headers, "Cache-Control": "no-cache",
                                          "X-Accel-Buffering": "no"})
         results = await self.generate(request, reqs, endpoint)
@@ -251,9 +275,14 @@ class _Front:
         for i, result in enumerate(results):
             if chat:
                 lp = self.shapes.chat_logprobs(result.logprobs) if want_logprobs else None
-                choices.append({"index": i, "message": {"role": "assistant",
-                                                        "content": result.text},
-                                "logprobs": lp, "finish_reason": result.finish_reason})
+                message = {"role": "assistant", "content": result.text}
+                finish = result.finish_reason
+                if structure is not None and structure.calls_tools:
+                    message["content"], calls = split_tool_calls(result.text, structure)
+                    if calls:
+                        message["tool_calls"], finish = calls, "tool_calls"
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": finish})
             elif body.echo:  # the prompt, then the completion; logprobs over both
                 lp = self.shapes.completion_logprobs(result.prompt_logprobs + result.logprobs,
                                               first_token=prompt_ids[0]) if want_logprobs \
@@ -305,8 +334,10 @@ def create_app(backend, model_name: str, api_key: str | None = None, *,
         front.requests.check_model(body.model)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None \
             else body.max_tokens
-        prompt_ids = await asyncio.to_thread(front.requests.chat_prompt, body)
-        return await front.respond(request, body, prompt_ids, True, max_tokens)
+        # (compiling a grammar runs off the event loop too)
+        structure = await asyncio.to_thread(front.requests.structure, body)
+        prompt_ids = await asyncio.to_thread(front.requests.chat_prompt, body, structure)
+        return await front.respond(request, body, prompt_ids, True, max_tokens, structure)
 
     @app.get("/v1/models")
     async def models():

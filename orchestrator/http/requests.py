@@ -13,8 +13,10 @@ import secrets
 from orchestrator.generation import MODES, GenerationRequest
 from orchestrator.http.errors import invalid
 from orchestrator.http.schemas import MAX_N, ChatBody, CompletionBody, GenerateBody, ServeDefaults
+from orchestrator.http.structured import Structure, structure_of, tool_call_text
 from specdec.config import MAX_TOP_LOGPROBS, SamplingParams
 from specdec.models.tokenizer import chat_prompt_ids, encode_prompt
+from specdec.serving.grammar import GrammarError, Grammars
 
 
 def request_seed(seed: int | None) -> int:
@@ -30,6 +32,9 @@ class RequestBuilder:
         self.backend = backend
         self.model_name = model_name
         self.defaults = defaults
+        # the backend's compiler (an Orchestrator has one), else one of our own
+        self.grammars = getattr(backend, "grammars", None) or Grammars(
+            backend.tokenizer, None, sorted(getattr(backend, "eos_ids", ())))
 
     def check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -64,7 +69,20 @@ class RequestBuilder:
         prompt = self.one_prompt(body)
         return prompt if isinstance(prompt, str) else self.backend.tokenizer.decode(prompt_ids)
 
-    def chat_prompt(self, body: ChatBody) -> list[int]:
+    def structure(self, body: ChatBody) -> Structure:
+        """The body's response_format / tools as a Structure whose grammar compiles here (so a
+        grammar the services could not compile is the client's 400, not a failed generation).
+        Compiling takes ~10 ms (cached by grammar): call it off the event loop."""
+        structure = structure_of(body.response_format, body.tools, body.tool_choice)
+        if structure.grammar:
+            try:
+                self.grammars.compile(structure.grammar)
+            except GrammarError as exc:
+                param = "tools" if structure.calls_tools else "response_format"
+                raise invalid(f"{param}: not supported: {exc}", param)
+        return structure
+
+    def chat_prompt(self, body: ChatBody, structure: Structure | None = None) -> list[int]:
         if not body.messages:
             raise invalid("messages must not be empty", "messages")
         tokenizer = self.backend.tokenizer
@@ -79,9 +97,17 @@ class RequestBuilder:
                 text = "".join(p.text for p in m.content)
             else:
                 text = m.content or ""
+            if m.role == "assistant" and m.tool_calls:  # its calls, as the model writes them
+                text += "".join(tool_call_text(c) for c in m.tool_calls if isinstance(c, dict))
             # Chat templates know "system"; OpenAI's newer name for it is "developer".
             messages.append({"role": "system" if m.role == "developer" else m.role,
                              "content": text})
+        if structure is not None and structure.instruction:  # the form, in the system turn
+            offer = structure.instruction
+            if messages[0]["role"] == "system":
+                messages[0]["content"] = f"{messages[0]['content']}\n\n{offer}"
+            else:
+                messages.insert(0, {"role": "system", "content": offer})
         try:
             return chat_prompt_ids(tokenizer, messages)
         except Exception as exc:  # the template rejects this conversation (e.g. role order)
@@ -102,7 +128,6 @@ class RequestBuilder:
         """Refuse options that would change the output and that specdec does not implement."""
         checks = [
             ("n", not 1 <= body.n <= MAX_N, f"n must be in [1, {MAX_N}], got {body.n}"),
-            ("logit_bias", bool(body.logit_bias), "not supported"),
         ]
         if isinstance(body, CompletionBody):
             checks += [("logprobs", body.logprobs is not None and
@@ -115,24 +140,40 @@ class RequestBuilder:
         elif isinstance(body, GenerateBody):
             checks += [("stream", body.stream, "/generate does not stream: use /v1/completions")]
         else:
-            checks += [("tools", bool(body.tools), "tools are not supported"),
-                       ("top_logprobs", body.top_logprobs is not None and
+            checks += [("top_logprobs", body.top_logprobs is not None and
                         not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS,
                         f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
                         f"got {body.top_logprobs}"),
                        ("top_logprobs", bool(body.top_logprobs) and not body.logprobs,
-                        "top_logprobs needs logprobs: true"),
-                       ("response_format", bool(body.response_format) and
-                        body.response_format.get("type") != "text",
-                        "only the text response format is supported")]
+                        "top_logprobs needs logprobs: true")]
         for param, bad, why in checks:
             if bad:
                 raise invalid(f"{param}: {why}", param)
 
+    def logit_bias(self, body) -> tuple[tuple[int, float], ...]:
+        """OpenAI's logit_bias ({"token id": bias in [-100, 100]}) as SamplingParams takes it."""
+        vocab = len(self.backend.tokenizer)
+        out = {}
+        for key, bias in (body.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise invalid(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias")
+            if not 0 <= token < vocab:
+                raise invalid(f"logit_bias: token ids must be in [0, {vocab}), got {token}",
+                              "logit_bias")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or \
+                    not -100 <= bias <= 100:
+                raise invalid(f"logit_bias: biases must be numbers in [-100, 100], got "
+                              f"{bias!r} for token {token}", "logit_bias")
+            out[token] = float(bias)
+        return tuple(sorted(out.items()))
+
     def generation_requests(self, body, prompt_ids: list[int], request_id: str,
-                            max_tokens: int | None) -> list[GenerationRequest]:
+                            max_tokens: int | None, grammar: str = "",
+                            ) -> list[GenerationRequest]:
         """One request per choice: choice i has seed + i (a fresh seed each without one)."""
-        first = self.generation_request(body, prompt_ids, request_id, max_tokens)
+        first = self.generation_request(body, prompt_ids, request_id, max_tokens, grammar)
         if isinstance(body, CompletionBody) and body.echo and body.logprobs is not None:
             first = dataclasses.replace(first, prompt_logprobs=True)
         if body.n == 1:
@@ -145,7 +186,7 @@ class RequestBuilder:
         return reqs
 
     def generation_request(self, body, prompt_ids: list[int], request_id: str,
-                           max_tokens: int | None) -> GenerationRequest:
+                           max_tokens: int | None, grammar: str = "") -> GenerationRequest:
         d = self.defaults
         room = self.backend.max_context - len(prompt_ids)
         if max_tokens is None:
@@ -178,7 +219,7 @@ class RequestBuilder:
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=1.0 if body.repetition_penalty is None
                 else body.repetition_penalty,
-                prompt_len=len(prompt_ids))
+                prompt_len=len(prompt_ids), grammar=grammar, logit_bias=self.logit_bias(body))
         except ValueError as exc:  # its messages start with the field's name
             field = next((p for p in ("temperature", "top_k", "top_p", "seed", "rule",
                                       "presence_penalty", "frequency_penalty",

@@ -132,6 +132,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatBody(GenerationBody):
@@ -140,6 +142,8 @@ class ChatBody(GenerationBody):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a response holds at most one call
     response_format: dict[str, Any] | None = None
 
 

@@ -50,7 +50,8 @@ def build_target(config: ServiceConfig) -> TargetRuntime:
     _set_threads(config)
     device = pick_device(config.device)
     engine, tokenizer, hf_config = load_engine(config.model, device, config.kernels)
-    return TargetRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine)
+    return TargetRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine,
+                         tokenizer)
 
 
 def _model_info(config: ServiceConfig, engine, tokenizer, hf_config) -> ServiceInfo:
@@ -104,11 +105,11 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
             forward_ms=[0.0],
             drafter="ngram",
         )
-        return DraftRuntime(config, info, None)
+        return DraftRuntime(config, info, None, tokenizer=tokenizer)
     device = pick_device(config.device)
     engine, tokenizer, hf_config = load_engine(spec, device, config.kernels)
     return DraftRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine,
-                        q_top_k=q_top_k)
+                        q_top_k=q_top_k, tokenizer=tokenizer)
 
 
 __all__ = ["build_target", "build_draft", "resolve_model_dir", "split_quantization", "NGRAM",

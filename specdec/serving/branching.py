@@ -26,7 +26,8 @@ import torch
 from specdec.config import MAX_K, SamplingParams
 from specdec.serving.drafting import checked_tokens
 from specdec.serving.engine import KVCache, LlamaEngine
-from specdec.serving.sampling import coupling_noise, process_logits
+from specdec.serving.grammar import GrammarState, Grammars, mask_logits, session_grammar
+from specdec.serving.sampling import bias_logits, coupling_noise, process_logits
 from specdec.serving.scheduler import Piece
 from specdec.serving.session import SessionStore, resolve
 
@@ -74,6 +75,7 @@ class Branch:
     tokens: list[int]  # the draft's block after H + d_1..d_j + t
     cache: KVCache | None = None
     position: int = 0  # sequence position of the next token to draft
+    grammar: GrammarState | None = None  # the branch's own matcher (constrained requests)
 
 
 @dataclasses.dataclass
@@ -108,8 +110,9 @@ class BranchWork:
     all branches (``next_piece`` returns a list of pieces)."""
 
     def __init__(self, call: BranchCall, engine: LlamaEngine, store: SessionStore,
-                 q_top_k: int = 64):
+                 q_top_k: int = 64, grammars: Grammars | None = None):
         self.call = call
+        self.grammars = grammars
         self.session_id = call.session_id
         self.engine = engine
         self.store = store
@@ -139,6 +142,8 @@ class BranchWork:
         self.session = resolve(self.store, c.session_id, c.prefix_len, c.prefix_hash,
                                self.engine.new_cache)
         self.session.request_id = c.request_id or self.session.request_id
+        self.grammar = session_grammar(self.session, self.grammars, c.sampling.grammar,
+                                       c.sampling.prompt_len)
         max_ctx = self.engine.arch.max_context
         if c.prefix_len + len(c.tokens) >= max_ctx:
             raise ValueError(f"sequence exceeds the draft's context of {max_ctx}")
@@ -164,10 +169,18 @@ class BranchWork:
 
     def consume(self, logits) -> bool:
         if isinstance(logits, list):  # one pass over the branches
+            ended = set()
             for b, lg in zip(self._active, logits):
-                b.tokens.append(self._choose(lg[-1], b.position))
+                row = self._constrained(lg[-1:], b.grammar)[0]
+                if row is None:  # the grammar leaves this head nothing: the branch ends here
+                    ended.add(id(b))
+                    continue
+                b.tokens.append(self._choose(row, b.position))
+                if b.grammar is not None:
+                    b.grammar.accept(b.tokens[-1])
                 b.position += 1
-            self._active = [b for b in self._active if len(b.tokens) < self.depth]
+            self._active = [b for b in self._active
+                            if len(b.tokens) < self.depth and id(b) not in ended]
             return not self._active
         self._fed += self._piece_len
         if self._fed < len(self.call.tokens):
@@ -177,6 +190,19 @@ class BranchWork:
             self._fork(logits)
         return not self._active
 
+    def _constrained(self, rows: torch.Tensor, grammar: GrammarState | None) -> list:
+        """rows [n, vocab_out] with the request's logit bias and, for a grammar, each row masked
+        by the state after the rows before it (one row per call but for the fork's); a row the
+        grammar leaves no token in this head is None."""
+        vocab_map = self.engine.vocab_map
+        rows = bias_logits(rows, self.call.sampling, self.engine.vocab_in, vocab_map)
+        if grammar is None:
+            return list(rows)
+        allowed = grammar.allowed()  # [vocab]
+        if vocab_map is not None:
+            allowed = allowed[vocab_map.cpu()]  # [vocab_out]
+        return [mask_logits(rows, allowed[None])[0] if bool(allowed.any()) else None]
+
     def _choose(self, logits: torch.Tensor, position: int) -> int:
         out = ranked(logits, self.call.sampling, self._q_params, position, self._target_ids, 1)[0]
         return int(self.engine.token_ids(torch.tensor([out]))[0])
@@ -185,15 +211,28 @@ class BranchWork:
         """A branch per (j, candidate t): a cache holding H + d_1..d_j, t still to feed."""
         c, h = self.call, self.history_len
         block = c.tokens[len(c.tokens) - c.block_len:]
+        grammar = self.grammar
+        if grammar is not None:  # the state after H; each j then takes one block token more
+            grammar.sync(self.session.tokens[:h])
         for j in range(c.block_len + 1):
             exclude = None
             if j < c.block_len:  # the block's own token would have been accepted
                 exclude = self._output_index(block[j])
-            for out in ranked(rows[j], c.sampling, self._q_params, h + j, self._target_ids,
-                              c.width, exclude):
+            row = self._constrained(rows[j:j + 1], grammar)[0]
+            candidates = [] if row is None else [
+                out for out in ranked(row, c.sampling, self._q_params, h + j, self._target_ids,
+                                      c.width, exclude)
+                if row[out] > float("-inf")]  # (greedy's top n may reach masked tokens)
+            for out in candidates:
                 token = int(self.engine.token_ids(torch.tensor([out]))[0])
                 cache = self.session.cache.fork(h + j)
-                self.branches.append(Branch(j, token, [], cache, h + j + 1))
+                fork = None
+                if grammar is not None:
+                    fork = grammar.fork()
+                    fork.accept(token)
+                self.branches.append(Branch(j, token, [], cache, h + j + 1, fork))
+            if grammar is not None and j < c.block_len and not grammar.accept(block[j]):
+                break  # no verdict keeps a token the grammar refuses: no branches past it
         self._active = list(self.branches)
 
     def _output_index(self, token: int) -> int | None:
@@ -210,4 +249,5 @@ class BranchWork:
         self.session.compute_s += self.compute_s
         for b in self.branches:
             b.cache = None  # forks are dropped with the call
+            b.grammar = None
         return BranchProposal(self.branches, len(self.session))

@@ -13,7 +13,9 @@ import torch
 
 from specdec.config import MAX_K, SamplingParams
 from specdec.serving.engine import LlamaEngine
+from specdec.serving.grammar import Grammars, mask_logits, session_grammar
 from specdec.serving.sampling import (
+    bias_logits,
     coupled_choice,
     penalize,
     position_generator,
@@ -81,9 +83,11 @@ class DraftWork:
     """
 
     def __init__(
-        self, call: ProposeCall, engine: LlamaEngine, store: SessionStore, q_top_k: int = 64
+        self, call: ProposeCall, engine: LlamaEngine, store: SessionStore, q_top_k: int = 64,
+        grammars: Grammars | None = None,
     ):
         self.call = call
+        self.grammars = grammars
         self.session_id = call.session_id
         self.engine = engine
         self.store = store
@@ -112,6 +116,8 @@ class DraftWork:
             self.store, c.session_id, c.prefix_len, c.prefix_hash, self.engine.new_cache
         )
         self.session.request_id = c.request_id or self.session.request_id
+        self.grammar = session_grammar(self.session, self.grammars, c.sampling.grammar,
+                                       c.sampling.prompt_len)
         max_ctx = self.engine.arch.max_context
         if c.prefix_len + len(c.tokens) >= max_ctx:
             raise ValueError(f"sequence exceeds the draft's context of {max_ctx}")
@@ -142,15 +148,29 @@ class DraftWork:
             self.session.append(self.drafted[-1:])  # the drafted token just fed
         position = self.call.prefix_len + len(self.call.tokens) + len(self.drafted)
         sampling = self.call.sampling
+        vocab_map = self.engine.vocab_map
+        logits = logits[-1:]
         if sampling.penalized:  # as the target will: the draft's tokens are then likelier kept
             context = self.session.tokens[: self.call.prefix_len] + self.call.tokens + \
                 self.drafted
-            vocab_map = self.engine.vocab_map
             if vocab_map is None:
-                logits = penalize(logits[-1:], sampling, context)
+                logits = penalize(logits, sampling, context)
             else:  # penalties are over token ids: go through the full vocabulary and back
-                full = self.engine.full_vocab_logits(logits[-1:], self.engine.vocab_in)
+                full = self.engine.full_vocab_logits(logits, self.engine.vocab_in)
                 logits = penalize(full, sampling, context)[:, vocab_map.to(full.device)]
+        logits = bias_logits(logits, sampling, self.engine.vocab_in, vocab_map)
+        if self.grammar is not None:  # propose only what the target can take
+            if not self.drafted:
+                self.grammar.sync(self.session.tokens[: self.call.prefix_len] + self.call.tokens)
+            allowed = self.grammar.allowed()  # [vocab]
+            if vocab_map is not None:
+                allowed = allowed[vocab_map.cpu()]  # [vocab_out]
+            if not bool(allowed.any()):  # nothing this head can propose: a shorter block
+                if not self.drafted:
+                    self.session.append(self.call.tokens)
+                self.k = len(self.drafted)
+                return True
+            logits = mask_logits(logits, allowed[None])
         if sampling.greedy:
             out_id = int(logits[-1].argmax())
         elif sampling.rule == "coupled":
@@ -163,6 +183,9 @@ class DraftWork:
             ids = self.engine.token_ids(nz).tolist()
             self.dists.append((ids, probs[nz].tolist()))
         self.drafted.append(int(self.engine.token_ids(torch.tensor([out_id]))[0]))
+        if self.grammar is not None:
+            accepted = self.grammar.accept(self.drafted[-1])
+            assert accepted, "a masked choice is always allowed"
         if len(self.drafted) == 1:
             self.session.append(self.call.tokens)
         return len(self.drafted) >= self.k
@@ -187,10 +210,12 @@ class NgramCache:
 class NgramDrafter:
     """Prompt lookup: propose what followed the latest earlier occurrence of the last n tokens."""
 
-    def __init__(self, store: SessionStore, max_ngram: int = 4, min_ngram: int = 1):
+    def __init__(self, store: SessionStore, max_ngram: int = 4, min_ngram: int = 1,
+                 grammars: Grammars | None = None):
         if not (1 <= min_ngram <= max_ngram):
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.store = store
+        self.grammars = grammars
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
@@ -201,6 +226,11 @@ class NgramDrafter:
         session.request_id = call.request_id or session.request_id
         session.append(call.tokens)
         drafted = lookup(session.tokens, call.k, self.max_ngram, self.min_ngram)
+        grammar = session_grammar(session, self.grammars, call.sampling.grammar,
+                                  call.sampling.prompt_len)
+        if grammar is not None:  # up to the first token the target could not take
+            grammar.sync(session.tokens)
+            drafted = drafted[: grammar.legal_prefix(drafted)]
         session.append(drafted[:-1])
         session.calls += 1
         session.tokens_in += len(call.tokens)

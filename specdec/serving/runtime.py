@@ -17,6 +17,7 @@ from specdec.config import ServiceConfig
 from specdec.serving.branching import BranchCall, BranchWork
 from specdec.serving.drafting import DraftWork, NgramDrafter, Proposal, ProposeCall
 from specdec.serving.engine import LlamaEngine
+from specdec.serving.grammar import Grammars
 from specdec.serving.scheduler import BatchScheduler
 from specdec.serving.session import SessionStore
 from specdec.serving.target import VerifyCall, VerifyResult, VerifyWork
@@ -57,10 +58,14 @@ def calibrate(engine: LlamaEngine, max_tokens: int = 16, context: int = 128, rep
 
 
 class _Runtime:
-    def __init__(self, config: ServiceConfig, info: ServiceInfo, engine: LlamaEngine | None):
+    def __init__(self, config: ServiceConfig, info: ServiceInfo, engine: LlamaEngine | None,
+                 tokenizer=None):
         self.config = config
         self.info = info
         self.engine = engine
+        # constrained requests' grammars (None: built without a tokenizer, none are served)
+        self.grammars = None if tokenizer is None else \
+            Grammars(tokenizer, info.vocab_size, info.eos_token_ids)
         self.store: SessionStore = SessionStore(
             config.cache_cap_bytes, config.max_sessions, config.session_ttl_s
         )
@@ -105,16 +110,17 @@ class TargetRuntime(_Runtime):
     def verify(self, call: VerifyCall) -> tuple[concurrent.futures.Future, VerifyWork]:
         """Queue a verify call; the future resolves to a VerifyResult (or its error)."""
         self.calls += 1
-        work = VerifyWork(call, self.engine, self.store, self.info.vocab_size)
+        work = VerifyWork(call, self.engine, self.store, self.info.vocab_size, self.grammars)
         return self.scheduler.submit(work), work
 
 
 class DraftRuntime(_Runtime):
     def __init__(self, config: ServiceConfig, info: ServiceInfo, engine: LlamaEngine | None,
-                 q_top_k: int = 64, max_ngram: int = 4):
-        super().__init__(config, info, engine)
+                 q_top_k: int = 64, max_ngram: int = 4, tokenizer=None):
+        super().__init__(config, info, engine, tokenizer)
         self.q_top_k = q_top_k
-        self.ngram = NgramDrafter(self.store, max_ngram=max_ngram) if engine is None else None
+        self.ngram = NgramDrafter(self.store, max_ngram=max_ngram, grammars=self.grammars) \
+            if engine is None else None
 
     def propose(self, call: ProposeCall) -> tuple[concurrent.futures.Future, object]:
         """Queue (model) or run (n-gram) a propose call; the future resolves to a Proposal."""
@@ -127,7 +133,7 @@ class DraftRuntime(_Runtime):
                 future.set_exception(exc)
             self.store.enforce_limits([call.session_id])
             return future, None
-        work = DraftWork(call, self.engine, self.store, self.q_top_k)
+        work = DraftWork(call, self.engine, self.store, self.q_top_k, self.grammars)
         return self.scheduler.submit(work), work
 
     def propose_branches(self, call: BranchCall) -> tuple[concurrent.futures.Future, BranchWork]:
@@ -136,7 +142,7 @@ class DraftRuntime(_Runtime):
         if self.engine is None:
             raise ValueError("branches need a draft model (this service drafts by n-gram lookup)")
         self.calls += 1
-        work = BranchWork(call, self.engine, self.store, self.q_top_k)
+        work = BranchWork(call, self.engine, self.store, self.q_top_k, self.grammars)
         return self.scheduler.submit(work), work
 
 

@@ -67,6 +67,22 @@ def penalize(logits: torch.Tensor, params: SamplingParams, context: list[int],
     return logits
 
 
+def bias_logits(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
+                token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [n, vocab_out] plus the request's logit_bias (OpenAI's: added before
+    temperature). token_ids: the target id of each column where the head is reduced (default:
+    the column is the id). Returns new logits; unchanged without a bias."""
+    if not params.logit_bias:
+        return logits
+    dense = torch.zeros(vocab_size, dtype=torch.float32)  # [vocab]
+    for token, bias in params.logit_bias:
+        if token < vocab_size:  # ids past the vocabulary have no logit to move
+            dense[token] = bias
+    if token_ids is not None:
+        dense = dense[token_ids.cpu()]
+    return logits.float() + dense.to(logits.device)
+
+
 _DOMAINS = {"draft": 1, "target": 2, "coupling": 3}
 
 

@@ -72,6 +72,8 @@ class Session(Generic[C]):
         self.accepted = 0  # draft tokens accepted (target)
         self.compute_s = 0.0
         self.request_id = ""
+        # the session's grammar matcher (specdec.serving.grammar.GrammarState), when constrained
+        self.grammar = None
 
     def summary(self) -> str:
         acc = f" acceptance={self.accepted / self.proposed:.3f}" if self.accepted else ""

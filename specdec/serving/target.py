@@ -9,7 +9,14 @@ import torch
 from specdec.config import MAX_K, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.serving.acceptance import verify_coupled, verify_greedy, verify_rejection
 from specdec.serving.engine import LlamaEngine
-from specdec.serving.sampling import from_sparse, penalize, position_generator, process_logits
+from specdec.serving.grammar import Grammars, block_masks, mask_logits, session_grammar
+from specdec.serving.sampling import (
+    bias_logits,
+    from_sparse,
+    penalize,
+    position_generator,
+    process_logits,
+)
 from specdec.serving.scheduler import Piece
 from specdec.serving.session import SessionStore, resolve
 
@@ -107,8 +114,10 @@ def emitted_logprobs(logits: torch.Tensor, tokens: list[int], top: int):
 class VerifyWork:
     """One verify call as scheduler work: prefill chunks, then the block in one pass."""
 
-    def __init__(self, call: VerifyCall, engine: LlamaEngine, store: SessionStore, vocab_size: int):
+    def __init__(self, call: VerifyCall, engine: LlamaEngine, store: SessionStore, vocab_size: int,
+                 grammars: Grammars | None = None):
         self.call = call
+        self.grammars = grammars
         self.session_id = call.session_id
         self.engine = engine
         self.store = store
@@ -130,6 +139,9 @@ class VerifyWork:
             self.store, c.session_id, c.prefix_len, c.prefix_hash, self.engine.new_cache
         )
         self.session.request_id = c.request_id or self.session.request_id
+        # compiled (or found in the cache) before any pass: a bad grammar fails this call alone
+        self.grammar = session_grammar(self.session, self.grammars, c.sampling.grammar,
+                                       c.sampling.prompt_len)
         total = c.prefix_len + len(self._feed)
         if total > self.engine.arch.max_context:
             raise ValueError(
@@ -170,8 +182,12 @@ class VerifyWork:
         drafts = torch.tensor(c.draft_tokens, dtype=torch.long)
         first = c.prefix_len + len(c.tokens)  # position of the first draft token
         raw = logits  # logprobs are the model's own
-        logits = penalize(logits, c.sampling, self.session.tokens[: c.prefix_len] + c.tokens,
-                          c.draft_tokens)
+        committed = self.session.tokens[: c.prefix_len] + c.tokens
+        logits = penalize(logits, c.sampling, committed, c.draft_tokens)
+        logits = bias_logits(logits, c.sampling, self.vocab_size)
+        grammar = self.grammar
+        if grammar is not None:  # row j: the grammar after the committed tokens and d_1..d_j
+            logits = mask_logits(logits, block_masks(grammar, committed, c.draft_tokens))
         if c.sampling.greedy:
             num_accepted, next_token = verify_greedy(drafts, logits)
         elif c.sampling.rule == "coupled":
@@ -187,6 +203,8 @@ class VerifyWork:
             gens = [position_generator(c.sampling.seed, first + i, "target") for i in range(k + 1)]
             num_accepted, next_token = verify_rejection(drafts, draft_probs, target_probs, gens)
         kept = c.tokens + c.draft_tokens[:num_accepted]
+        if grammar is not None:  # the rejected draft tokens leave the matcher (rollback)
+            grammar.sync(committed + c.draft_tokens[:num_accepted])
         self.session.append(kept)
         self.session.calls += 1
         self.session.tokens_in += len(c.tokens)
