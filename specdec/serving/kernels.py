@@ -329,11 +329,13 @@ class Linear:
     ``plain`` ([out, in]: mkl), ``transposed`` ([in, out]: mkl-t), ``packed`` (oneDNN's),
     ``panels`` (smallm's, ``pack_panels``). With ``codes`` (the same weight as grouped int8
     codes, exactly) smallm reads those instead (``grouped``, ``dm``): the same results from a
-    quarter of the bytes.
+    quarter of the bytes. With ``integer`` too, smallm runs the integer numerics on them
+    (``sd_linear_int``, native/intlinear.c): x quantized to int8 per block of 32, exact int32
+    block sums; not the float product's numbers, but each row's the same in any pass.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan | None,
-                 codes: GroupedCodes | None = None):
+                 codes: GroupedCodes | None = None, integer: bool = False):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.plan = plan
@@ -344,6 +346,7 @@ class Linear:
         self.grouped: torch.Tensor | None = None
         self.dm: torch.Tensor | None = None
         self.bits = 0
+        self.integer = False  # the codes on sd_linear_int (``integer`` and smallm in the plan)
         kernels = plan.used() if plan is not None else {MKL}
         if MKL_T in kernels:
             self.transposed = self.plain.t().contiguous()
@@ -351,7 +354,10 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.plain, None)
         if SMALLM in kernels:
             self.lib, self.panel = smallm_library()
-            if codes is not None and self.in_features % GROUP == 0:
+            if codes is not None and self.in_features % GROUP == 0 and integer:
+                self.grouped, self.dm, self.bits = pack_groups_int(codes, self.panel)
+                self.integer = True
+            elif codes is not None and self.in_features % GROUP == 0:
                 self.grouped, self.dm, self.bits = pack_groups(codes, self.panel)
             else:
                 self.panels = pack_panels(self.plain, self.panel)
@@ -376,6 +382,15 @@ class Linear:
             raise ValueError(f"smallm takes [rows, {self.in_features}] float32, got "
                              f"{tuple(x.shape)} {x.dtype}")
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if self.integer:
+            status = self.lib.sd_linear_int(
+                x.data_ptr(), self.grouped.data_ptr(), self.dm.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), x.shape[0],
+                self.in_features, self.out_features, self.bits, self.panel,
+                torch.get_num_threads())
+            if status != 0:
+                raise MemoryError("sd_linear_int: no memory for the quantized rows")
+            return y
         if self.grouped is not None:
             fn = self.lib.sd_linear_g4 if self.bits == 4 else self.lib.sd_linear_g
             fn(x.data_ptr(), self.grouped.data_ptr(), self.dm.data_ptr(),
