@@ -35,7 +35,7 @@
 
 #define IGROUP 32  /* k per block (GGUF's), as smallm.c's SD_GROUP */
 #define IPREFETCH 768  /* bytes ahead along a panel's stream (smallm.c's PREFETCH_Q8_BYTES) */
-#define MAXROWS 8  /* rows of x per streaming of the weight */
+#define MAXROWS 16  /* rows of x per streaming of the weight, at most (ROWS per ISA below) */
 
 static inline int load_i32(const signed char *p) {
   int v;
@@ -119,6 +119,7 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
 #pragma GCC target("avx512f,avx512bw,avx512vnni,fma")
 #define SFX(name) name##_vnni512
 #define P_WIDTH 16
+#define ROWS 16  /* rows per streaming: 16 integer sums and the weights fit in 32 registers */
 #define IVEC __m512i
 #define FVEC __m512
 #define LOADW LOADI512
@@ -147,6 +148,7 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
 #pragma GCC target("avx512f,avx512bw,fma")
 #define SFX(name) name##_bw512
 #define P_WIDTH 16
+#define ROWS 16
 #define IVEC __m512i
 #define FVEC __m512
 #define LOADW LOADI512
@@ -179,6 +181,7 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
 #pragma GCC target("avx2,avxvnni,fma")
 #define SFX(name) name##_vnni256
 #define P_WIDTH 8
+#define ROWS 8  /* (16 registers) */
 #define IVEC __m256i
 #define FVEC __m256
 #define LOADW LOADI256
@@ -205,6 +208,7 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
 #pragma GCC target("avx2,fma")
 #define SFX(name) name##_avx2
 #define P_WIDTH 8
+#define ROWS 8
 #define IVEC __m256i
 #define FVEC __m256
 #define LOADW LOADI256
@@ -371,7 +375,7 @@ __attribute__((always_inline)) static inline void SFX(block)(
 
 // Panels J at a time (4 for one or two rows, 2 for three or four, else 1: the integer sums of
 // MB * J vectors and J (or 2 J) weight vectors in registers), a tail of fewer one at a time,
-// rows 8 at a time. (Only those shapes are compiled: each is a copy of the block per bits and
+// rows ROWS at a time (a verify block of 9-16 rows streams the weight once on AVX-512). (Only those shapes are compiled: each is a copy of the block per bits and
 // ISA, and the compiler's time grows with them.)
 static void SFX(linear_int)(const signed char *xq, const float *dxs, const int *xsum,
                             const unsigned char *wp, const float *dm, const float *bias,
@@ -380,8 +384,8 @@ static void SFX(linear_int)(const signed char *xq, const float *dxs, const int *
   int panels = (N + P - 1) / P, groups = K / IGROUP;
   long panel_bytes = (long)K * P * bits / 8;
   float out[MAXROWS * 8 * P_WIDTH];
-  for (int m0 = 0; m0 < M; m0 += MAXROWS) {
-    int mb = M - m0 < MAXROWS ? M - m0 : MAXROWS;
+  for (int m0 = 0; m0 < M; m0 += ROWS) {
+    int mb = M - m0 < ROWS ? M - m0 : ROWS;
     const signed char *xb = xq + (long)m0 * K;
     const float *db = dxs + (long)m0 * groups * 2;
     const int *sb = xsum + (long)m0 * groups;
@@ -394,6 +398,10 @@ static void SFX(linear_int)(const signed char *xq, const float *dxs, const int *
         ICASE(1, 4) ICASE(2, 4) ICASE(3, 2) ICASE(4, 2)
         ICASE(1, 1) ICASE(2, 1) ICASE(3, 1) ICASE(4, 1)
         ICASE(5, 1) ICASE(6, 1) ICASE(7, 1) ICASE(8, 1)
+#if ROWS > 8
+        ICASE(9, 1) ICASE(10, 1) ICASE(11, 1) ICASE(12, 1)
+        ICASE(13, 1) ICASE(14, 1) ICASE(15, 1) ICASE(16, 1)
+#endif
       }
       for (int j = 0; j < jb; j++) {
         int n0 = (p0 + j) * P, nv = N - n0 < P ? N - n0 : P;
@@ -411,6 +419,7 @@ static void SFX(linear_int)(const signed char *xq, const float *dxs, const int *
 
 #undef SFX
 #undef P_WIDTH
+#undef ROWS
 #undef IVEC
 #undef FVEC
 #undef LOADW
