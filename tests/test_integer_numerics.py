@@ -245,3 +245,14 @@ def test_integer_numerics_stay_close_to_float_and_apply_only_with_codes(tiny_mod
     assert LlamaEngine.from_hf(model, numerics="integer").numerics == "float"
     with pytest.raises(ValueError, match="numerics"):
         LlamaEngine.from_hf(model, numerics="int4")
+
+
+def test_a_service_config_names_its_numerics():
+    """``numerics`` is one of config.NUMERICS, float by default; anything else is refused."""
+    from specdec.config import ServiceConfig
+
+    assert ServiceConfig(model="default", role="target").numerics == "float"
+    assert ServiceConfig(model="default", role="target", numerics="integer").numerics == \
+        "integer"
+    with pytest.raises(ValueError, match="numerics must be one of float, integer"):
+        ServiceConfig(model="default", role="target", numerics="int4")
