@@ -10,6 +10,8 @@ import time
 
 from tqdm import tqdm
 
+from specdec.config import DEFAULT_NUMERICS, NUMERICS
+
 log = logging.getLogger(__name__)
 
 
@@ -58,6 +60,12 @@ def register(sub) -> None:
     v.add_argument("--reps", type=int, default=15)
     v.add_argument("--threads", type=int, default=0, help="torch threads (0 = every core, as "
                    "the services use)")
+    v.add_argument("--engines", default="mkl,mkl-t,onednn,auto,integer",
+                   help="engine-alone columns: CPU kernel choices in float numerics, and "
+                        "'integer' (smallm's integer numerics, where the target has codes)")
+    v.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                   help="the in-service column's target numerics")
+    v.add_argument("--no-service", action="store_true", help="the engines alone")
     v.add_argument("--out", default="bench/out")
     v.set_defaults(func=cmd_bench_verify)
 
@@ -269,20 +277,29 @@ def cmd_bench_verify(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     engines = {}
-    for name in ("mkl", "mkl-t", "onednn", "auto"):
-        engines[name], _, _ = load_engine(args.target, torch.device("cpu"), name)
+    for name in args.engines.split(","):
+        if name == "integer":
+            engine, _, _ = load_engine(args.target, torch.device("cpu"), "auto", "integer")
+            if engine.numerics != "integer":
+                print(f"(no integer column: {args.target} has no codes for it)")
+                continue
+            engines[name] = engine
+        else:
+            engines[name], _, _ = load_engine(args.target, torch.device("cpu"), name, "float")
     ctx, ms = args.context, range(1, args.max_tokens + 1)
     prompt = torch.arange(ctx) % 1000 + 10
     timers = {n: e.forward_timer(ctx, args.max_tokens) for n, e in engines.items()}
-    times = {n: {m: [] for m in ms} for n in [*engines, "in-service"]}
+    times = {n: {m: [] for m in ms} for n in [*engines] + ([] if args.no_service
+                                                            else ["in-service"])}
     for _ in tqdm(range(args.reps), desc="engine cost", unit="rep"):
         for m in ms:
             for n, timer in timers.items():  # interleaved
                 times[n][m].append(timer(m))
     del engines, timers
-    for m, values in _in_service_verify_ms(args.target, args.threads, prompt.tolist(), ms,
-                                           args.reps).items():
-        times["in-service"][m] = values
+    if not args.no_service:
+        for m, values in _in_service_verify_ms(args.target, args.threads, prompt.tolist(), ms,
+                                               args.reps, args.numerics).items():
+            times["in-service"][m] = values
     med = {n: {m: sorted(v)[len(v) // 2] for m, v in d.items()} for n, d in times.items()}
     names = list(med)
     print(f"median ms per forward (context {ctx}, {args.threads or torch.get_num_threads()} "
@@ -299,16 +316,24 @@ def cmd_bench_verify(args) -> int:
                                                       "threads": args.threads}, indent=1))
     path = report.plot_verify_cost(med, out)
     print(f"wrote {path}")
-    ratio = med["in-service"][1] / med["auto"][1]
-    print(f"in-service / engine-alone T(1) = {ratio:.2f}"
-          + ("" if ratio < 1.15 else "  <- the service's model thread runs slower than the "
-             "engine alone: see specdec.rpc.host.in_passing_thread"))
+    alone = "integer" if args.numerics == "integer" and "integer" in med else "auto"
+    if "in-service" in med and alone in med:
+        ratio = med["in-service"][1] / med[alone][1]
+        print(f"in-service / engine-alone T(1) = {ratio:.2f}"
+              + ("" if ratio < 1.15 else "  <- the service's model thread runs slower than the "
+                 "engine alone: see specdec.rpc.host.in_passing_thread"))
     if len(ms) >= 5:
         print("T(5)/T(1): " + ", ".join(f"{n} {med[n][5] / med[n][1]:.2f}" for n in names))
+    # what one more verify row costs, as a share of a 1-token forward (the issue-34 goal: 0.10)
+    print("extra row / T(1), (T(m) - T(1)) / ((m - 1) T(1)) at m = " +
+          ", ".join(str(m) for m in ms if m > 1) + ": " + "; ".join(
+              f"{n} " + " ".join(f"{(med[n][m] - med[n][1]) / ((m - 1) * med[n][1]):.2f}"
+                                 for m in ms if m > 1) for n in names))
     return 0
 
 
-def _in_service_verify_ms(target: str, threads: int, prompt: list[int], ms, reps: int) -> dict:
+def _in_service_verify_ms(target: str, threads: int, prompt: list[int], ms, reps: int,
+                          numerics: str = DEFAULT_NUMERICS) -> dict:
     """compute_ms of verify calls over m tokens (m - 1 drafts) in a local target service."""
     import asyncio
 
@@ -333,7 +358,8 @@ def _in_service_verify_ms(target: str, threads: int, prompt: list[int], ms, reps
             await client.close()
         return out
 
-    service = ServiceProcess("target", service_args(target, threads, ["--no-calibrate"]))
+    service = ServiceProcess("target", service_args(target, threads, ["--no-calibrate",
+                                                                      "--numerics", numerics]))
     try:
         service.wait_port()
         return asyncio.run(measure(service.address))

@@ -11,7 +11,7 @@ import os
 import sys
 
 from orchestrator.generation import DEFAULT_MODE, MODES
-from specdec.config import DEFAULT_RULE, RULES
+from specdec.config import DEFAULT_NUMERICS, DEFAULT_RULE, NUMERICS, RULES
 from specdec.models.tokenizer import encode_prompt
 
 log = logging.getLogger(__name__)
@@ -79,6 +79,11 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads per local service (default 0 = auto: every core each "
                         "in spec mode, half each in pipelined mode)")
+    p.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                   help="a local target's CPU numerics on a quantized (GGUF) model: float "
+                        "(float32 on the weights the codes encode, transformers' numbers within "
+                        "rounding) or integer (llama.cpp's int8 dot products, a position's "
+                        "logits the same bits in any pass; default %(default)s)")
     p.add_argument("--tokenizer", help="tokenizer for prompts (default: the --target model)")
     p.add_argument("--tls-ca", help="TLS to the services: the CA that signed their certificates "
                                     "(without it, the system's roots)")
@@ -159,7 +164,9 @@ async def orchestrator_for(args, need_draft: bool = True):
     if start_local:
         local = LocalServices(target=args.target,
                               draft=args.draft if want_draft and draft_addr is None else None,
-                              threads=args.threads)
+                              threads=args.threads,
+                              target_args=["--numerics", getattr(args, "numerics",
+                                                                 DEFAULT_NUMERICS)])
     orch = None
     try:
         if local is not None:

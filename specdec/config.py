@@ -7,6 +7,12 @@ import os
 
 # CPU linear kernels (specdec.serving.kernels): "auto" measures the others at start
 KERNEL_CHOICES = ("auto", "onednn", "mkl", "mkl-t", "smallm")
+# How a CPU target's quantized linear layers compute (specdec.serving.kernels, README):
+# "float": float32 on the weights the codes encode (transformers' numbers, within rounding);
+# "integer": llama.cpp's integer dot products (activations to int8 per block of 32, exact
+# int32 block sums), every position's logits bit-identical whichever pass computes them.
+NUMERICS = ("float", "integer")
+DEFAULT_NUMERICS = "float"
 
 MAX_K = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
@@ -173,6 +179,7 @@ class ServiceConfig:
     # (specdec.serving.scheduler.PrefillBudget): 0.5 keeps ~2/3 of a decoding session's speed
     prefill_share: float = 0.5
     kernels: str = "auto"  # CPU linear kernels: auto (fastest per row count), onednn, mkl, mkl-t
+    numerics: str = DEFAULT_NUMERICS  # float | integer (NUMERICS)
     calibrate: bool = True  # measure forward costs at start (reported in GetInfo)
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -202,6 +209,9 @@ class ServiceConfig:
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, "
                              f"got {self.kernels!r}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, "
+                             f"got {self.numerics!r}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.regroup_ms < 0:

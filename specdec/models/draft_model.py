@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specdec.config import DEFAULT_NUMERICS
 from specdec.serving.arch import ArchConfig, rope_inv_freq
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.kernels import GROUP, GroupedCodes
@@ -117,7 +118,8 @@ def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
     return meta, _weights(meta, tensors)
 
 
-def load_engine(path, device, kernels: str = "auto", quantize: str | None = None):
+def load_engine(path, device, kernels: str = "auto", quantize: str | None = None,
+                numerics: str = DEFAULT_NUMERICS):
     """(engine, tokenizer, None) for a draft directory. On CPU the engine also streams the
     stored int8 matrices as they are (``stored_codes``)."""
     from specdec.models.hub import load_tokenizer
@@ -129,7 +131,7 @@ def load_engine(path, device, kernels: str = "auto", quantize: str | None = None
     weights = {k: v.float() for k, v in weights.items()}
     codes = stored_codes(tensors) if torch.device(device).type == "cpu" else None
     engine = LlamaEngine(arch, weights, device, kernels, vocab_map=vocab_map, quantize=quantize,
-                         codes=codes)
+                         codes=codes, numerics=numerics)
     return engine, load_tokenizer(meta["target"]), None
 
 

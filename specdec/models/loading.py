@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from specdec.config import INT8, ServiceConfig, split_quantization
+from specdec.config import DEFAULT_NUMERICS, INT8, ServiceConfig, split_quantization
 from specdec.models.hub import gguf_file, load_hf_model, pick_device, resolve_model_dir
 from specdec.models.tokenizer import eos_token_ids, fingerprint
 from specdec.serving.arch import ArchConfig
@@ -24,17 +24,20 @@ def _set_threads(config: ServiceConfig) -> None:
         torch.set_num_threads(config.threads)
 
 
-def load_engine(spec: str, device: torch.device, kernels: str = "auto"):
+def load_engine(spec: str, device: torch.device, kernels: str = "auto",
+                numerics: str = DEFAULT_NUMERICS):
     """(engine, tokenizer, hf_config) for a Hugging Face / GGUF / default / draft-directory
-    model spec, quantized when it says so ("int8:<spec>")."""
+    model spec, quantized when it says so ("int8:<spec>"), in ``numerics`` (config.NUMERICS)."""
     from specdec.models import draft_model
 
     quantize, spec = split_quantization(spec)
     if draft_model.is_draft_dir(spec):
-        return draft_model.load_engine(spec, device, kernels, quantize=quantize)
+        return draft_model.load_engine(spec, device, kernels, quantize=quantize,
+                                       numerics=numerics)
     check_architecture(spec)  # refuse before reading any weights
     model, tokenizer = load_hf_model(spec)
-    engine = LlamaEngine.from_hf(model, device, kernels, quantize=quantize, gguf=gguf_file(spec))
+    engine = LlamaEngine.from_hf(model, device, kernels, quantize=quantize, gguf=gguf_file(spec),
+                                 numerics=numerics)
     return engine, tokenizer, model.config
 
 
@@ -49,7 +52,8 @@ def check_architecture(spec: str) -> ArchConfig:
 def build_target(config: ServiceConfig) -> TargetRuntime:
     _set_threads(config)
     device = pick_device(config.device)
-    engine, tokenizer, hf_config = load_engine(config.model, device, config.kernels)
+    engine, tokenizer, hf_config = load_engine(config.model, device, config.kernels,
+                                               config.numerics)
     return TargetRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine,
                          tokenizer)
 
@@ -107,7 +111,7 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
         )
         return DraftRuntime(config, info, None, tokenizer=tokenizer)
     device = pick_device(config.device)
-    engine, tokenizer, hf_config = load_engine(spec, device, config.kernels)
+    engine, tokenizer, hf_config = load_engine(spec, device, config.kernels, config.numerics)
     return DraftRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine,
                         q_top_k=q_top_k, tokenizer=tokenizer)
 

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Callable
 
-from specdec.config import KERNEL_CHOICES, ServiceConfig
+from specdec.config import DEFAULT_NUMERICS, KERNEL_CHOICES, NUMERICS, ServiceConfig
 from specdec.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -53,6 +53,12 @@ def add_service_arguments(parser, default_model: str) -> None:
                         help="CPU linear kernels: auto times oneMKL (as stored and on the "
                              "transposed weight, mkl-t) and prepacked oneDNN at start and keeps "
                              "the fastest at each number of rows (default)")
+    parser.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                        help="how quantized (GGUF-coded) linear layers compute on CPU: float "
+                             "(float32 on the weights the codes encode, transformers' numbers "
+                             "within rounding) or integer (llama.cpp's int8 dot products: "
+                             "every position's logits the same bits in any pass; default "
+                             "%(default)s)")
     parser.add_argument("--no-calibrate", action="store_true")
     parser.add_argument("--tls-cert")
     parser.add_argument("--tls-key")
@@ -69,7 +75,7 @@ def service_config_from_args(args, role: str) -> ServiceConfig:
             max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
             regroup_ms=args.regroup_ms,
             prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
-            kernels=args.kernels,
+            kernels=args.kernels, numerics=args.numerics,
             calibrate=not args.no_calibrate, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
         )

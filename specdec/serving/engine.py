@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.config import KERNEL_CHOICES
+from specdec.config import DEFAULT_NUMERICS, KERNEL_CHOICES, NUMERICS
 from specdec.serving.arch import ArchConfig, canonical_weights, rope_inv_freq
 from specdec.serving.kernels import (
     MEASURED_ROWS,
@@ -134,14 +134,21 @@ class LlamaEngine:
         quantize: str | None = None,
         native: bool = True,
         codes: dict[str, GroupedCodes] | None = None,
+        numerics: str = DEFAULT_NUMERICS,
     ):
         """``native``: run what a layer does between its linear layers on the fused C ops
         (``native/layerops.c``) where they can run it exactly (see ``_native_ops``); False:
         always torch's ops. ``codes``: weights (by canonical name) that are also held exactly
         as grouped int8 codes (a GGUF file's blocks, ``specdec.models.gguf_codes``), which
-        smallm then streams instead of their float32 (the same results)."""
+        smallm then streams instead of their float32 (the same results). ``numerics``
+        "integer": those layers compute llama.cpp's integer dot products instead
+        (``sd_linear_int``), every row count on smallm, so that a position's logits are the
+        same bits whichever pass computes them; it applies on CPU where smallm runs (kernels
+        auto or smallm) and the model has codes, and ``self.numerics`` says what runs."""
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
+        if numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.arch = arch
         self.device = torch.device(device)
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.float16
@@ -158,19 +165,23 @@ class LlamaEngine:
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)} or None, got "
                              f"{quantize!r}")
+        codes = codes or {}
+        integer = numerics == "integer" and smallm and quantize is None and bool(codes)
+        self.numerics = "integer" if integer else "float"
         plan = None  # quantized: one int8 product for every shape, nothing to choose between
-        if self.device.type == "cpu" and quantize is None:
+        if integer:  # one kernel for every row count: no row's numbers depend on its pass
+            plan = KernelPlan.fixed(SMALLM)
+        elif self.device.type == "cpu" and quantize is None:
             plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ()) +
                               ((SMALLM,) if smallm else ())) \
                 if kernels == "auto" else KernelPlan.fixed(kernels)
         self.kernels = plan
 
-        codes = codes or {}
-
         def linear(name: str, bias: torch.Tensor | None):
             if quantize is not None:
                 return Int8Linear(w(name), bias)
-            return Linear(w(name), bias, plan, codes.get(name) if plan is not None else None)
+            return Linear(w(name), bias, plan, codes.get(name) if plan is not None else None,
+                          integer=integer)
 
         def w(name: str) -> torch.Tensor:
             return weights[name].to(self.device, self.dtype)
@@ -267,7 +278,8 @@ class LlamaEngine:
 
     @classmethod
     def from_hf(cls, model, device="cpu", kernels: str = "auto",
-                quantize: str | None = None, gguf=None) -> "LlamaEngine":
+                quantize: str | None = None, gguf=None,
+                numerics: str = DEFAULT_NUMERICS) -> "LlamaEngine":
         """From a transformers Llama-family causal LM (weights are copied); ``gguf``: the GGUF
         file it was dequantized from, whose blocks smallm then streams where they encode a
         weight exactly (``specdec.models.gguf_codes``)."""
@@ -278,7 +290,8 @@ class LlamaEngine:
             from specdec.models.gguf_codes import exact_codes
 
             codes = exact_codes(gguf, weights)
-        return cls(arch, weights, device, kernels, quantize=quantize, codes=codes)
+        return cls(arch, weights, device, kernels, quantize=quantize, codes=codes,
+                   numerics=numerics)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.arch, self.device, self.dtype)
@@ -354,7 +367,13 @@ class LlamaEngine:
         if rows.numel() == 0:
             return ([torch.empty(0, self.vocab_out) for _ in caches],
                     [x.new_empty(0, x.shape[1]) for _ in caches])
-        feats = self._rms_norm(x[rows], self.norm)
+        if self.numerics == "integer" and self.native is not None:  # per row, by construction
+            picked, feats = x[rows].contiguous(), torch.empty(len(rows), x.shape[1])
+            self.native.sd_add_rms_norm(picked.data_ptr(), None,
+                                        self.norm.data_ptr(), feats.data_ptr(), len(rows),
+                                        x.shape[1], self.arch.rms_norm_eps)
+        else:
+            feats = self._rms_norm(x[rows], self.norm)
         logits = self.head(feats).float()  # [sum n_i, vocab_out]
         if self.arch.final_softcap is not None:  # Gemma 2/3
             logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
@@ -543,7 +562,7 @@ class _Lin(ctypes.Structure):
 
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("k", ctypes.c_long), ("n", ctypes.c_long), ("dm", ctypes.c_void_p),
-                ("bits", ctypes.c_long)]
+                ("bits", ctypes.c_long), ("integer", ctypes.c_long)]
 
 
 class _Layer(ctypes.Structure):
@@ -565,7 +584,7 @@ def _layer_structs(layers: list[dict], windows: list[int | None]):
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         return _Lin(panels.data_ptr(), ptr(scale), ptr(linear.bias), linear.in_features,
                     linear.out_features, ptr(getattr(linear, "dm", None)),
-                    getattr(linear, "bits", 0))
+                    getattr(linear, "bits", 0), int(getattr(linear, "integer", False)))
 
     out, keep, panel = (_Layer * len(layers))(), [], 0
     for i, (layer, window) in enumerate(zip(layers, windows)):

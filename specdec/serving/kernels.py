@@ -75,6 +75,8 @@ QUANTIZATIONS = (INT8,)  # weight quantizations (Int8Linear), not kernel choices
 SMALLM_SOURCE = Path(__file__).parent / "native" / "smallm.c"
 # The fused decoder-layer ops (the engine's native path), built into the same library.
 LAYEROPS_SOURCE = Path(__file__).parent / "native" / "layerops.c"
+# The integer-numerics product of grouped codes (``sd_linear_int``), built into the same library.
+INTLINEAR_SOURCE = Path(__file__).parent / "native" / "intlinear.c"
 
 
 def _cache_dir() -> Path:
@@ -91,13 +93,41 @@ def _cache_dir() -> Path:
     raise OSError("no writable cache directory for the smallm kernel")
 
 
+BUILD_TIMEOUT_S = 600  # a first build on a busy machine (~60 s of compiler time in all)
+
+
+def _build(compiler: str, sources, out: Path, flags: list[str]) -> None:
+    """Compile the sources to objects side by side (one compiler process each: the build's
+    wall time is its longest file's), then link them into ``out``."""
+    # (-fno-math-errno: sqrtf is an instruction, not a call that stops vectorisation)
+    objects = [out.with_suffix(f".{i}.o") for i in range(len(sources))]
+    procs = [subprocess.Popen([compiler, "-O3", "-fno-math-errno", "-fPIC", *flags, "-c",
+                               str(src), "-o", str(obj)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for src, obj in zip(sources, objects)]
+    try:
+        deadline = time.monotonic() + BUILD_TIMEOUT_S
+        for proc in procs:
+            _, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode:
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, stderr=err)
+        subprocess.run([compiler, "-shared", *flags, *map(str, objects), "-o", str(out), "-lm"],
+                       check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for obj in objects:
+            obj.unlink(missing_ok=True)
+
+
 @functools.cache
 def smallm_library() -> tuple[ctypes.CDLL, int] | None:
     """The smallm kernel's library (with the fused layer ops of ``layerops.c``) and panel
     width, built once per source version (compiled to a temporary name and renamed, so services
     starting together never load half a file); None where it cannot run: no C compiler,
     neither AVX-512 nor AVX2 + FMA, a build error."""
-    sources = (SMALLM_SOURCE, LAYEROPS_SOURCE)
+    sources = (SMALLM_SOURCE, LAYEROPS_SOURCE, INTLINEAR_SOURCE)
     digest = hashlib.sha256(b"".join(src.read_bytes() for src in sources)).hexdigest()[:16]
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     try:
@@ -107,14 +137,10 @@ def smallm_library() -> tuple[ctypes.CDLL, int] | None:
                 log.info("smallm kernel unavailable: no C compiler (cc, gcc or $CC)")
                 return None
             tmp = out.with_suffix(f".{os.getpid()}.tmp")
-            # (-fno-math-errno: sqrtf is an instruction, not a call that stops vectorisation)
-            base = [compiler, "-O3", "-fno-math-errno", "-shared", "-fPIC",
-                    *map(str, sources), "-o", str(tmp), "-lm"]
             try:  # with OpenMP (the threads are torch's: the same libgomp, by its soname)
-                subprocess.run(base + ["-fopenmp"], check=True, capture_output=True,
-                               timeout=120)
+                _build(compiler, sources, tmp, ["-fopenmp"])
             except subprocess.CalledProcessError:  # a compiler without it: one thread
-                subprocess.run(base, check=True, capture_output=True, timeout=120)
+                _build(compiler, sources, tmp, [])
             os.replace(tmp, out)
         lib = ctypes.CDLL(str(out))
     except (OSError, subprocess.SubprocessError) as exc:
@@ -130,6 +156,11 @@ def smallm_library() -> tuple[ctypes.CDLL, int] | None:
     lib.sd_linear_g4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
     lib.sd_linear_g4.restype = None
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    lib.sd_linear_int.argtypes = [ptr] * 5 + [i32] * 6
+    lib.sd_linear_int.restype = i32
+    lib.sd_int_path.argtypes, lib.sd_int_path.restype = [i32], i32
+    lib.sd_int_cap.argtypes, lib.sd_int_cap.restype = [i32], None
+    lib.sd_quantize_rows.argtypes, lib.sd_quantize_rows.restype = [ptr, i32, i32] + [ptr] * 3, None
     lib.sd_add_rms_norm.argtypes = [ptr] * 4 + [i32, i32, f32]
     lib.sd_attend.argtypes = [ptr, i32, i32, ptr, ptr, ptr, ptr, i64, i32, i32, f32, i32, i32,
                               i32, ptr]
@@ -186,18 +217,40 @@ class GroupedCodes:
         return (self.d[:, :, None] * q + self.m[:, :, None]).view(n, k)
 
 
-def pack_groups(codes: GroupedCodes, panel: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(the codes in smallm's panels: int8, or 4-bit two k per byte, the even k in the low
-    nibble; the groups' d and m as [panels, in / GROUP, 2, panel]; the codes' bits)."""
+def _pack_dm(codes: GroupedCodes, panel: int) -> torch.Tensor:
+    """The groups' d and m as [panels, in / GROUP, 2, panel] (zero past ``out``)."""
     n, groups = codes.d.shape
     dm = torch.zeros(-(-n // panel) * panel, groups, 2)
     dm[:n, :, 0], dm[:n, :, 1] = codes.d, codes.m
-    dm = dm.view(-1, panel, groups, 2).permute(0, 2, 3, 1).contiguous()
+    return dm.view(-1, panel, groups, 2).permute(0, 2, 3, 1).contiguous()
+
+
+def pack_groups(codes: GroupedCodes, panel: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the codes in smallm's panels: int8, or 4-bit two k per byte, the even k in the low
+    nibble; the groups' d and m as [panels, in / GROUP, 2, panel]; the codes' bits)."""
+    dm = _pack_dm(codes, panel)
     panels, bits = pack_panels(codes.q, panel), codes.bits
     if bits == 4:
         u = panels.to(torch.uint8)
         panels = (u[:, 0::2] | (u[:, 1::2] << 4)).contiguous()
     return panels, dm, bits
+
+
+def pack_groups_int(codes: GroupedCodes, panel: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(the codes as ``sd_linear_int`` reads them, see native/intlinear.c: 4 consecutive k of a
+    column in one 32-bit lane; 4-bit codes two k per byte, k and k + 4 of each 8; 8-bit codes
+    as q + 128; the groups' d and m as ``pack_groups``'; the codes' bits)."""
+    n, k = codes.q.shape
+    groups, bits = k // GROUP, codes.bits
+    dm = _pack_dm(codes, panel)
+    padded = torch.zeros(-(-n // panel) * panel, k, dtype=torch.int16)
+    padded[:n] = codes.q.to(torch.int16)
+    if bits == 4:  # [panels, panel, groups, h, half, b] -> [panels, groups, h, panel, b]
+        q = padded.view(-1, panel, groups, 4, 2, 4)
+        packed = (q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
+    else:  # [panels, panel, groups, h, b] -> [panels, groups, h, panel, b]
+        packed = (padded + 128).view(-1, panel, groups, 8, 4).permute(0, 2, 3, 1, 4)
+    return packed.to(torch.uint8).contiguous(), dm, bits
 
 
 def prepack_available(device: torch.device) -> bool:
@@ -276,11 +329,13 @@ class Linear:
     ``plain`` ([out, in]: mkl), ``transposed`` ([in, out]: mkl-t), ``packed`` (oneDNN's),
     ``panels`` (smallm's, ``pack_panels``). With ``codes`` (the same weight as grouped int8
     codes, exactly) smallm reads those instead (``grouped``, ``dm``): the same results from a
-    quarter of the bytes.
+    quarter of the bytes. With ``integer`` too, smallm runs the integer numerics on them
+    (``sd_linear_int``, native/intlinear.c): x quantized to int8 per block of 32, exact int32
+    block sums; not the float product's numbers, but each row's the same in any pass.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, plan: KernelPlan | None,
-                 codes: GroupedCodes | None = None):
+                 codes: GroupedCodes | None = None, integer: bool = False):
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.plan = plan
@@ -291,6 +346,7 @@ class Linear:
         self.grouped: torch.Tensor | None = None
         self.dm: torch.Tensor | None = None
         self.bits = 0
+        self.integer = False  # the codes on sd_linear_int (``integer`` and smallm in the plan)
         kernels = plan.used() if plan is not None else {MKL}
         if MKL_T in kernels:
             self.transposed = self.plain.t().contiguous()
@@ -298,7 +354,10 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.plain, None)
         if SMALLM in kernels:
             self.lib, self.panel = smallm_library()
-            if codes is not None and self.in_features % GROUP == 0:
+            if codes is not None and self.in_features % GROUP == 0 and integer:
+                self.grouped, self.dm, self.bits = pack_groups_int(codes, self.panel)
+                self.integer = True
+            elif codes is not None and self.in_features % GROUP == 0:
                 self.grouped, self.dm, self.bits = pack_groups(codes, self.panel)
             else:
                 self.panels = pack_panels(self.plain, self.panel)
@@ -323,6 +382,15 @@ class Linear:
             raise ValueError(f"smallm takes [rows, {self.in_features}] float32, got "
                              f"{tuple(x.shape)} {x.dtype}")
         y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+        if self.integer:
+            status = self.lib.sd_linear_int(
+                x.data_ptr(), self.grouped.data_ptr(), self.dm.data_ptr(),
+                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), x.shape[0],
+                self.in_features, self.out_features, self.bits, self.panel,
+                torch.get_num_threads())
+            if status != 0:
+                raise MemoryError("sd_linear_int: no memory for the quantized rows")
+            return y
         if self.grouped is not None:
             fn = self.lib.sd_linear_g4 if self.bits == 4 else self.lib.sd_linear_g
             fn(x.data_ptr(), self.grouped.data_ptr(), self.dm.data_ptr(),

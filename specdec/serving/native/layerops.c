@@ -89,16 +89,18 @@ void sd_linear_g(const float *x, const signed char *wq, const float *dm, const f
                  float *y, int M, int K, int N, int panel, int threads);
 void sd_linear_g4(const float *x, const unsigned char *wq, const float *dm, const float *bias,
                   float *y, int M, int K, int N, int panel, int threads);
+int sd_linear_int(const float *x, const unsigned char *wq, const float *dm, const float *bias,
+                  float *y, int M, int K, int N, int bits, int panel, int threads);
 
 // One linear layer on smallm: its packed panels, column scales (int8 weights) or groups' d and
 // m (grouped codes of ``bits`` 8 or 4; both NULL: float32), bias (or NULL), input and output
-// widths.
+// widths; ``integer``: the codes packed for intlinear.c's integer product (sd_linear_int).
 typedef struct {
   const void *w;
   const float *scale, *bias;
   long k, n;
   const float *dm;
-  long bits;
+  long bits, integer;
 } sd_lin;
 
 // One decoder layer: its norms' weights, its four linear layers, its attention window (0: all).
@@ -108,7 +110,10 @@ typedef struct {
   long window;
 } sd_layer;
 
-static void lin(const sd_lin *l, const float *x, float *y, int n, int panel, int threads) {
+static int lin(const sd_lin *l, const float *x, float *y, int n, int panel, int threads) {
+  if (l->integer)
+    return sd_linear_int(x, l->w, l->dm, l->bias, y, n, (int)l->k, (int)l->n, (int)l->bits,
+                         panel, threads);
   if (l->dm && l->bits == 4)
     sd_linear_g4(x, l->w, l->dm, l->bias, y, n, (int)l->k, (int)l->n, panel, threads);
   else if (l->dm)
@@ -117,6 +122,7 @@ static void lin(const sd_lin *l, const float *x, float *y, int n, int panel, int
     sd_linear_q8(x, l->w, l->scale, l->bias, y, n, (int)l->k, (int)l->n, panel, threads);
   else
     sd_linear(x, l->w, l->bias, y, n, (int)l->k, (int)l->n, panel, threads);
+  return 0;
 }
 
 // Every decoder layer of a pass in one call: the engine's native path when all of a plain
@@ -125,7 +131,7 @@ static void lin(const sd_lin *l, const float *x, float *y, int n, int panel, int
 // draft's ~12.6 ms one-token forward on one EPYC core). x: [n, hidden], the embedded rows, in
 // place to the last layer's output. Session i holds rows offsets[i]..offsets[i + 1], lengths[i]
 // cached positions, its cache kcs[i] / vcs[i] with layer and head strides (in floats); cos,
-// sin: [n, d / 2]. Returns 0, or -1 when its scratch memory could not be allocated.
+// sin: [n, d / 2]. Returns 0, or -1 when scratch memory could not be allocated.
 int sd_layers(float *x, int n, int hidden, const sd_layer *layers, int num_layers, float eps,
               int sessions, const int *offsets, const int *lengths, float *const *kcs,
               float *const *vcs, const long *layer_strides, const long *head_strides,
@@ -136,10 +142,11 @@ int sd_layers(float *x, int n, int hidden, const sd_layer *layers, int num_layer
   if (!h) return -1;
   float *delta = h + (long)n * hidden, *qkv = delta + (long)n * hidden, *attn = qkv + n * ld;
   float *gate_up = attn + (long)n * hq * d, *act = gate_up + 2 * n * inter;
-  for (int li = 0; li < num_layers; li++) {
+  int status = 0;
+  for (int li = 0; li < num_layers && !status; li++) {
     const sd_layer *L = layers + li;
     sd_add_rms_norm(x, li ? delta : 0, L->attn_norm, h, n, hidden, eps);
-    lin(&L->qkv, h, qkv, n, panel, threads);
+    status |= lin(&L->qkv, h, qkv, n, panel, threads);
     for (int i = 0; i < sessions; i++) {
       int s = offsets[i];
       sd_attend(qkv + s * ld, (int)ld, offsets[i + 1] - s, cos + s * half, sin + s * half,
@@ -147,16 +154,16 @@ int sd_layers(float *x, int n, int hidden, const sd_layer *layers, int num_layer
                 head_strides[i], lengths[i], (int)L->window, scale, hq, hkv, d,
                 attn + (long)s * hq * d);
     }
-    lin(&L->o, attn, delta, n, panel, threads);
+    status |= lin(&L->o, attn, delta, n, panel, threads);
     sd_add_rms_norm(x, delta, L->mlp_norm, h, n, hidden, eps);
-    lin(&L->gate_up, h, gate_up, n, panel, threads);
+    status |= lin(&L->gate_up, h, gate_up, n, panel, threads);
     sd_silu_mul(gate_up, act, n, (int)inter);
-    lin(&L->down, act, delta, n, panel, threads);
+    status |= lin(&L->down, act, delta, n, panel, threads);
   }
-  if (num_layers)
+  if (num_layers && !status)
     for (long j = 0; j < (long)n * hidden; j++) x[j] += delta[j];
   free(h);
-  return 0;
+  return status ? -1 : 0;
 }
 
 #else  // the bodies, once per target
