@@ -317,6 +317,7 @@ def test_rejection_sampled_requests_keep_the_calibrated_costs():
 
     class Info:
         forward_ms = CURVE
+        vocab_size = 0  # unknown (as a service that does not say): the tokenizer's
 
     class Client:
         info = Info()
@@ -421,6 +422,7 @@ def test_a_generation_starting_under_load_starts_its_lookups_from_what_recent_on
 
     class Info:
         forward_ms = CURVE
+        vocab_size = 0  # unknown (as a service that does not say): the tokenizer's
 
     class Client:
         info = Info()
@@ -536,6 +538,7 @@ def test_on_shared_cores_a_lone_generation_starts_from_what_its_predecessors_saw
 
     class Info:
         forward_ms = CURVE
+        vocab_size = 0  # unknown (as a service that does not say): the tokenizer's
         drafter = "model"
 
     class Client:
