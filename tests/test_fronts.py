@@ -102,9 +102,9 @@ def test_prompts_are_tokenized_off_the_event_loop(tiny_services, monkeypatch):
     for name in ("chat_prompt", "completion_prompt"):
         real = getattr(RequestBuilder, name)
 
-        def spy(self, body, real=real):
+        def spy(self, *args, real=real):  # (chat_prompt also takes the body's structure)
             seen.append(threading.current_thread())
-            return real(self, body)
+            return real(self, *args)
 
         monkeypatch.setattr(RequestBuilder, name, spy)
 
