@@ -33,6 +33,8 @@
 #include <omp.h>
 #endif
 
+void sd_panel_share(int panels, int t, int n, int *p0, int *p1);  /* smallm.c's split */
+
 #define IGROUP 32  /* k per block (GGUF's), as smallm.c's SD_GROUP */
 #define IPREFETCH 768  /* bytes ahead along a panel's stream (smallm.c's PREFETCH_Q8_BYTES) */
 #define MAXROWS 16  /* rows of x per streaming of the weight, at most (ROWS per ISA below) */
@@ -109,10 +111,8 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
   }
 }
 
-// The ISA bodies: P, the integer and float vectors and their operations, then the body.
-#define LOADI512(p) _mm512_loadu_si512((const void *)(p))
-#define NIB512(b, s) _mm512_and_si512(_mm512_srli_epi16(b, s), _mm512_set1_epi8(15))
-#define F512(p) _mm512_loadu_ps(p)
+// The ISA bodies: P, the rows per streaming and the integer dot products (what differs
+// between paths of one width), then the body, which derives its vector operations from P.
 
 // AVX512-VNNI (panel 16)
 #pragma GCC push_options
@@ -120,24 +120,10 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
 #define SFX(name) name##_vnni512
 #define P_WIDTH 16
 #define ROWS 16  /* rows per streaming: 16 integer sums and the weights fit in 32 registers */
-#define IVEC __m512i
-#define FVEC __m512
-#define LOADW LOADI512
-#define BCAST4(p) _mm512_set1_epi32(load_i32(p))
-#define NIBBLE NIB512
-#define ZEROI _mm512_setzero_si512()
 #define DOT4(acc, u, x) _mm512_dpbusd_epi32(acc, u, x)
 #define PREP8(u) (u)
 #define DOT8(acc, w, x) _mm512_dpbusd_epi32(acc, w, x)
 #define OFFSET8 128
-#define SUBI(a, b) _mm512_sub_epi32(a, b)
-#define SET1I _mm512_set1_epi32
-#define CVT _mm512_cvtepi32_ps
-#define LOADF F512
-#define STOREF _mm512_storeu_ps
-#define SET1F _mm512_set1_ps
-#define MULF _mm512_mul_ps
-#define FMAF _mm512_fmadd_ps
 #include __FILE__
 #pragma GCC pop_options
 
@@ -149,12 +135,6 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
 #define SFX(name) name##_bw512
 #define P_WIDTH 16
 #define ROWS 16
-#define IVEC __m512i
-#define FVEC __m512
-#define LOADW LOADI512
-#define BCAST4(p) _mm512_set1_epi32(load_i32(p))
-#define NIBBLE NIB512
-#define ZEROI _mm512_setzero_si512()
 #define DOT4(acc, u, x) \
   _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1)))
 #define PREP8(u) _mm512_xor_si512(u, _mm512_set1_epi8((char)0x80))
@@ -162,19 +142,8 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
   DOT4(acc, _mm512_abs_epi8(q),                                                            \
        _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q), _mm512_setzero_si512(), x))
 #define OFFSET8 0
-#define SUBI(a, b) _mm512_sub_epi32(a, b)
-#define SET1I _mm512_set1_epi32
-#define CVT _mm512_cvtepi32_ps
-#define LOADF F512
-#define STOREF _mm512_storeu_ps
-#define SET1F _mm512_set1_ps
-#define MULF _mm512_mul_ps
-#define FMAF _mm512_fmadd_ps
 #include __FILE__
 #pragma GCC pop_options
-
-#define LOADI256(p) _mm256_loadu_si256((const __m256i *)(p))
-#define NIB256(b, s) _mm256_and_si256(_mm256_srli_epi16(b, s), _mm256_set1_epi8(15))
 
 // AVX-VNNI (panel 8: 256-bit vpdpbusd)
 #pragma GCC push_options
@@ -182,24 +151,10 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
 #define SFX(name) name##_vnni256
 #define P_WIDTH 8
 #define ROWS 8  /* (16 registers) */
-#define IVEC __m256i
-#define FVEC __m256
-#define LOADW LOADI256
-#define BCAST4(p) _mm256_set1_epi32(load_i32(p))
-#define NIBBLE NIB256
-#define ZEROI _mm256_setzero_si256()
 #define DOT4(acc, u, x) _mm256_dpbusd_avx_epi32(acc, u, x)
 #define PREP8(u) (u)
 #define DOT8(acc, w, x) _mm256_dpbusd_avx_epi32(acc, w, x)
 #define OFFSET8 128
-#define SUBI(a, b) _mm256_sub_epi32(a, b)
-#define SET1I _mm256_set1_epi32
-#define CVT _mm256_cvtepi32_ps
-#define LOADF _mm256_loadu_ps
-#define STOREF _mm256_storeu_ps
-#define SET1F _mm256_set1_ps
-#define MULF _mm256_mul_ps
-#define FMAF _mm256_fmadd_ps
 #include __FILE__
 #pragma GCC pop_options
 
@@ -209,25 +164,11 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
 #define SFX(name) name##_avx2
 #define P_WIDTH 8
 #define ROWS 8
-#define IVEC __m256i
-#define FVEC __m256
-#define LOADW LOADI256
-#define BCAST4(p) _mm256_set1_epi32(load_i32(p))
-#define NIBBLE NIB256
-#define ZEROI _mm256_setzero_si256()
 #define DOT4(acc, u, x) \
   _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)))
 #define PREP8(u) _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80))
 #define DOT8(acc, q, x) DOT4(acc, _mm256_abs_epi8(q), _mm256_sign_epi8(x, q))
 #define OFFSET8 0
-#define SUBI(a, b) _mm256_sub_epi32(a, b)
-#define SET1I _mm256_set1_epi32
-#define CVT _mm256_cvtepi32_ps
-#define LOADF _mm256_loadu_ps
-#define STOREF _mm256_storeu_ps
-#define SET1F _mm256_set1_ps
-#define MULF _mm256_mul_ps
-#define FMAF _mm256_fmadd_ps
 #include __FILE__
 #pragma GCC pop_options
 
@@ -281,9 +222,8 @@ int sd_linear_int(const float *x, const unsigned char *wq, const float *dm, cons
   if (threads > 1 && panels >= 8 * threads) {
 #pragma omp parallel num_threads(threads)
     {
-      int t = omp_get_thread_num(), n = omp_get_num_threads();
-      int per = ((panels + n - 1) / n + 3) & ~3;
-      int p0 = t * per, p1 = p0 + per < panels ? p0 + per : panels;
+      int p0, p1;
+      sd_panel_share(panels, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
       if (p0 < p1) {
         int c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
         linear_int(xq, dxs, xsum, wq + p0 * panel_bytes, dm + (long)p0 * groups * 2 * panel,
@@ -307,7 +247,40 @@ void sd_quantize_rows(const float *x, int M, int K, signed char *xq, float *dxs,
   quantize_rows(x, M, K, xq, dxs, xsum);
 }
 
-#else  // the body, once per ISA (SFX, P_WIDTH and the vector operations defined above)
+#else  // the body, once per ISA (SFX, P_WIDTH, ROWS and the dot products defined above)
+
+// The vector operations of the width P_WIDTH (512 or 256 bits).
+#if P_WIDTH == 16
+#define IVEC __m512i
+#define FVEC __m512
+#define LOADW(p) _mm512_loadu_si512((const void *)(p))
+#define BCAST4(p) _mm512_set1_epi32(load_i32(p))
+#define NIBBLE(b, s) _mm512_and_si512(_mm512_srli_epi16(b, s), _mm512_set1_epi8(15))
+#define ZEROI _mm512_setzero_si512()
+#define SUBI(a, b) _mm512_sub_epi32(a, b)
+#define SET1I _mm512_set1_epi32
+#define CVT _mm512_cvtepi32_ps
+#define LOADF _mm512_loadu_ps
+#define STOREF _mm512_storeu_ps
+#define SET1F _mm512_set1_ps
+#define MULF _mm512_mul_ps
+#define FMAF _mm512_fmadd_ps
+#else
+#define IVEC __m256i
+#define FVEC __m256
+#define LOADW(p) _mm256_loadu_si256((const __m256i *)(p))
+#define BCAST4(p) _mm256_set1_epi32(load_i32(p))
+#define NIBBLE(b, s) _mm256_and_si256(_mm256_srli_epi16(b, s), _mm256_set1_epi8(15))
+#define ZEROI _mm256_setzero_si256()
+#define SUBI(a, b) _mm256_sub_epi32(a, b)
+#define SET1I _mm256_set1_epi32
+#define CVT _mm256_cvtepi32_ps
+#define LOADF _mm256_loadu_ps
+#define STOREF _mm256_storeu_ps
+#define SET1F _mm256_set1_ps
+#define MULF _mm256_mul_ps
+#define FMAF _mm256_fmadd_ps
+#endif
 
 // MB rows against J panels: the integer sums of a block in MB * J registers, the float
 // accumulators in ``out`` (one load and store per block, beside 8 or 16 integer steps).

@@ -241,6 +241,14 @@ static void linear(const float *x, const void *wp, int bits, const float *dm,
   }
 }
 
+// Thread t of n's share of ``panels`` panels, [*p0, *p1) (empty when *p0 >= *p1): runs of 4
+// panels, the same split for every kernel of the library (intlinear.c's too).
+void sd_panel_share(int panels, int t, int n, int *p0, int *p1) {
+  int per = ((panels + n - 1) / n + 3) & ~3;
+  *p0 = t * per;
+  *p1 = *p0 + per < panels ? *p0 + per : panels;
+}
+
 static void run(const float *x, const void *wp, int bits, const float *dm, const float *scale,
                 const float *bias, float *y, int M, int K, int N, int panel, int threads) {
 #ifdef _OPENMP
@@ -248,9 +256,8 @@ static void run(const float *x, const void *wp, int bits, const float *dm, const
   if (threads > 1 && panels >= 8 * threads) {
 #pragma omp parallel num_threads(threads)
     {
-      int t = omp_get_thread_num(), n = omp_get_num_threads();
-      int per = ((panels + n - 1) / n + 3) & ~3;
-      int p0 = t * per, p1 = p0 + per < panels ? p0 + per : panels;
+      int p0, p1;
+      sd_panel_share(panels, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
       if (p0 < p1) {
         int c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
         linear(x, (const char *)wp + (long)p0 * K * panel * bits / 8, bits,
