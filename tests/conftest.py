@@ -231,6 +231,17 @@ _hf_cache: dict = {}
 
 # ---- shared by several test modules (not imported from each other) ----------------------
 
+def _smallm_here() -> bool:
+    from specdec.serving.kernels import smallm_available
+
+    return smallm_available(torch.device("cpu"))
+
+
+# Tests of specdec's native kernels skip where they cannot be built or run here.
+HAS_SMALLM = _smallm_here()
+needs_smallm = pytest.mark.skipif(not HAS_SMALLM, reason="no C compiler or no AVX2 / AVX-512")
+
+
 MODEL = "tiny"  # the model name the test API servers serve
 # Token-id prompts for the tiny models: short, longer, and repetitive (n-gram drafts match)
 TOKEN_PROMPTS = [[1, 520, 3300, 12, 99, 7], list(range(2000, 2040)), [5, 6, 7, 5, 6, 7, 5, 6]]

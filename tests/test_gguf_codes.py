@@ -6,10 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.serving.kernels import GroupedCodes, Linear, KernelPlan, SMALLM, smallm_available
+from conftest import needs_smallm
+from specdec.serving.kernels import GroupedCodes, Linear, KernelPlan, SMALLM
 
-needs_smallm = pytest.mark.skipif(not smallm_available(torch.device("cpu")),
-                                  reason="no C compiler or no AVX2 / AVX-512")
 
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])

@@ -6,18 +6,16 @@ one within its stated bound of the float product, and a row-count-dependent muta
 import pytest
 import torch
 
+from conftest import needs_smallm
 from specdec.serving.kernels import (
     SMALLM,
     GroupedCodes,
     KernelPlan,
     Linear,
     pack_groups_int,
-    smallm_available,
     smallm_library,
 )
 
-needs_smallm = pytest.mark.skipif(not smallm_available(torch.device("cpu")),
-                                  reason="no C compiler or no AVX2 / AVX-512")
 PATHS = {0: "scalar reference", 1: "byte pairs (AVX2 / AVX512BW)", 2: "VNNI"}
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import HAS_SMALLM, needs_smallm
 from orchestrator.local import ServiceProcess, service_args, shared_cores_env
 from specdec.rpc.host import in_passing_thread
 from specdec.serving.kernels import (
@@ -22,13 +23,10 @@ from specdec.serving.kernels import (
     Linear,
     choose_kernels,
     prepack_available,
-    smallm_available,
 )
 
 needs_onednn = pytest.mark.skipif(not prepack_available(torch.device("cpu")),
                                   reason="this torch build has no oneDNN")
-HAS_SMALLM = smallm_available(torch.device("cpu"))
-needs_smallm = pytest.mark.skipif(not HAS_SMALLM, reason="no C compiler or no AVX2 / AVX-512")
 ALL = [MKL, MKL_T, ONEDNN] + ([SMALLM] if HAS_SMALLM else [])
 
 
