@@ -162,3 +162,45 @@ def test_the_real_prompt_set_is_half_real_text_and_never_a_held_out_prompt():
     handwritten = [c[0]["content"] for c in prompts.held_out_set("handwritten")]
     for p in handwritten:
         assert not any(p in f or f in p for f in firsts), p
+
+
+def test_kept_answers_rebuild_every_shard_by_scoring_with_the_same_scores(tmp_path, tiny_models):
+    """The answers directory is all a new machine needs: with the shards gone, the same
+    ``write_shards`` call rebuilds them by scoring the kept answers, and the records equal the
+    generated ones (tokens exactly; log-probabilities and features to float rounding)."""
+    import numpy as np
+    import torch
+
+    from specdec.distill.data import load_shards, write_shards
+    from specdec.distill.prompts import train_conversations
+    from specdec.models.loading import load_engine
+    from specdec.models.tokenizer import eos_token_ids
+
+    engine, tokenizer, config = load_engine(tiny_models["target"], torch.device("cpu"))
+    eos = set(eos_token_ids(tokenizer, config))
+    convs = train_conversations(5, prompt_set="base")
+    identity = dict(target="tiny", prompts=5)
+
+    def build(out):
+        return write_shards(engine, tokenizer, convs, out, eos, max_new_tokens=12,
+                            batch_size=4, top_n=8, temperatures=(0.0, 1.0), prompts_per_shard=2,
+                            features=True, answers_dir=tmp_path / "answers", identity=identity)
+
+    made = load_shards(build(tmp_path / "a"))
+    kept = sorted((tmp_path / "answers").glob("answers-*.npz"))
+    assert len(kept) == 3  # 5 prompts, 2 a shard
+    size = sum(p.stat().st_size for p in kept)
+    assert size < 8 * sum(len(r["prompt"]) + len(r["answer"]) for r in made)  # ids, no scores
+    rebuilt = load_shards(build(tmp_path / "b"))  # no shard there: every one from answers
+    assert len(rebuilt) == len(made) == 10
+    for m, r in zip(made, rebuilt):
+        assert torch.equal(m["prompt"], r["prompt"]) and torch.equal(m["answer"], r["answer"])
+        assert m["temperature"] == r["temperature"] and m["conversation"] == r["conversation"]
+        assert torch.equal(m["top_ids"][:, 0], r["top_ids"][:, 0])
+        np.testing.assert_allclose(m["top_logprobs"].float(), r["top_logprobs"].float(),
+                                   atol=2e-2)
+        np.testing.assert_allclose(m["features"].float(), r["features"].float(), atol=2e-2)
+    # answers made for another job list are refused, not mixed in
+    identity["prompts"] = 6
+    with pytest.raises(ValueError, match="answers made with"):
+        build(tmp_path / "c")

@@ -30,6 +30,9 @@ def register(sub) -> None:
     d.add_argument("--features", action="store_true",
                    help="keep the target's feature of every answer position with the data "
                         "(for a feature-conditioned draft)")
+    d.add_argument("--answers", help="where each shard's answers (token ids only, ~4 bytes a "
+                        "token) are kept; shards missing there are rebuilt from them by scoring "
+                        "instead of generating (default: OUT/answers)")
     d.add_argument("--data-only", action="store_true",
                    help="generate (or finish generating) the shards, then stop")
     d.add_argument("--vocab", type=int, default=8192, help="draft head vocabulary size")
@@ -136,7 +139,12 @@ def cmd_distill(args) -> int:
                               train_conversations(args.prompts, prompt_set=args.prompt_set),
                               work / "data", eos, max_new_tokens=args.max_new_tokens,
                               batch_size=args.gen_batch, temperatures=temps, seed=args.seed,
-                              features=args.features)
+                              features=args.features,
+                              answers_dir=pathlib.Path(args.answers or work / "answers"),
+                              identity=dict(target=args.target, prompt_set=args.prompt_set,
+                                            prompts=args.prompts, temperatures=list(temps),
+                                            seed=args.seed,
+                                            max_new_tokens=args.max_new_tokens))
     if args.data_only:
         print(f"data: {len(shards)} shards in {work / 'data'} ({time.time() - t0:.0f} s)")
         return 0

@@ -4,15 +4,24 @@ Each prompt is answered by the target (greedy and sampled), continuously batched
 ragged engine. For every answer token we keep the target's top-``top_n`` log-probabilities, so
 the draft learns the target's distribution, not only its argmax. Output is written in shards
 (``shard-NNNNN.pt``); a shard that exists is skipped, so an interrupted run resumes.
+
+Beside each shard, its *answers* (prompt and answer token ids, temperature; no scores) are kept
+in a small file (``answers-NNNNN.npz``, ~4 bytes a token) in a directory of their own. Answers
+are what costs: the target writes them one token at a time. Scores (top log-probabilities,
+features) are one teacher-forced pass over prompt + answer, so a new machine given only the
+answers directory rebuilds every shard by scoring instead of generating. That directory is
+what survives a session (the project keeps its own in git, docs/draft.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import pathlib
 import random
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -88,6 +97,66 @@ def generate_answers(
     return pending
 
 
+def score_answers(engine: LlamaEngine, records: list[dict], top_n: int, features: bool,
+                  batch_size: int = 8) -> list[dict]:
+    """Fill in each record's scores (``top_ids``, ``top_logprobs``, ``features`` if asked)
+    by one teacher-forced pass over prompt + answer: the rows that predicted each answer token.
+    The same numbers generation keeps, up to float rounding of a different pass shape."""
+    for start in range(0, len(records), batch_size):
+        part = records[start : start + batch_size]
+        caches = [engine.new_cache() for _ in part]
+        feeds = [torch.cat([r["prompt"], r["answer"][:-1]]).long() for r in part]
+        logits, feats = engine.forward_features(caches, feeds, [len(r["answer"]) for r in part])
+        for r, lg, ft in zip(part, logits, feats):
+            top = lg.log_softmax(-1).topk(top_n)
+            r["top_ids"] = top.indices.to(torch.int32)  # [answer_len, top_n]
+            r["top_logprobs"] = top.values.to(torch.float16)
+            if features:
+                r["features"] = ft.to(torch.float16)  # [answer_len, hidden]
+    return records
+
+
+def save_answers(records: list[dict], path: pathlib.Path) -> None:
+    """The records' token ids, temperatures and conversation numbers, without scores."""
+    ids = torch.cat([torch.cat([r["prompt"], r["answer"]]) for r in records])
+    dtype = np.uint16 if int(ids.max()) < 2**16 else np.int32
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.savez_compressed(
+            f, ids=ids.numpy().astype(dtype),
+            prompt_len=np.array([len(r["prompt"]) for r in records], np.int32),
+            answer_len=np.array([len(r["answer"]) for r in records], np.int32),
+            temperature=np.array([r["temperature"] for r in records], np.float32),
+            conversation=np.array([r["conversation"] for r in records], np.int32))
+    tmp.rename(path)
+
+
+def load_answers(path: pathlib.Path) -> list[dict]:
+    """``save_answers``'s records: prompt, answer, temperature, conversation."""
+    z = np.load(path)
+    ids = torch.from_numpy(z["ids"].astype(np.int32))
+    records, at = [], 0
+    for n_p, n_a, temp, conv in zip(z["prompt_len"], z["answer_len"], z["temperature"],
+                                    z["conversation"]):
+        records.append(dict(prompt=ids[at : at + n_p], answer=ids[at + n_p : at + n_p + n_a],
+                            temperature=float(temp), conversation=int(conv)))
+        at += int(n_p + n_a)
+    return records
+
+
+def _check_answers_dir(answers_dir: pathlib.Path, identity: dict) -> None:
+    """Answers belong to one target and one job list: refuse to mix them."""
+    answers_dir.mkdir(parents=True, exist_ok=True)
+    meta = answers_dir / "answers.json"
+    if meta.exists():
+        kept = json.loads(meta.read_text())
+        if kept != identity:
+            raise ValueError(f"{answers_dir} holds answers made with {kept}, not {identity}: "
+                             "give another --answers directory")
+    else:
+        meta.write_text(json.dumps(identity, indent=1) + "\n")
+
+
 def write_shards(
     engine: LlamaEngine,
     tokenizer,
@@ -101,11 +170,17 @@ def write_shards(
     prompts_per_shard: int = 32,
     seed: int = 0,
     features: bool = False,
+    answers_dir: pathlib.Path | None = None,
+    identity: dict | None = None,
 ) -> list[pathlib.Path]:
     """Generate answers for all conversations at every temperature; write shards (resumable).
     ``features``: each record also holds ``features`` [answer_len, hidden] (see
-    ``generate_answers``)."""
+    ``generate_answers``). ``answers_dir``: keep each shard's answers there too
+    (``save_answers``), and where a shard is missing but its answers are there, score them
+    instead of generating; ``identity`` (target, job list) is checked against what it holds."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if answers_dir is not None:
+        _check_answers_dir(answers_dir, identity or {})
     rng = random.Random(seed)
     jobs = []
     for i, conv in enumerate(conversations):
@@ -115,39 +190,43 @@ def write_shards(
             jobs.append((ids, params, i))
     shards = []
     chunk = prompts_per_shard * len(temperatures)
-    todo = [j for j in range(0, len(jobs), chunk)]
     total_tokens_est = len(jobs) * max_new_tokens
     with tqdm(total=total_tokens_est, unit="tok", desc="target answers", smoothing=0.05) as bar:
-        for start in todo:
-            path = out_dir / f"shard-{start // chunk:05d}.pt"
+        for start in range(0, len(jobs), chunk):
+            number = start // chunk
+            path = out_dir / f"shard-{number:05d}.pt"
+            kept = answers_dir / f"answers-{number:05d}.npz" if answers_dir else None
             shards.append(path)
             if path.exists():
+                if kept is not None and not kept.exists():
+                    save_answers(torch.load(path, weights_only=True), kept)
                 bar.update(chunk * max_new_tokens)
                 continue
             part = jobs[start : start + chunk]
-            seqs = generate_answers(
-                engine,
-                [(p, s) for p, s, _ in part],
-                eos_ids,
-                max_new_tokens,
-                batch_size,
-                top_n,
-                progress=bar,
-                features=features,
-            )
-            bar.update(sum(max_new_tokens - len(s.tokens) for s in seqs))
-            records = [
-                dict(
-                    prompt=torch.tensor(s.prompt, dtype=torch.int32),
-                    answer=torch.tensor(s.tokens, dtype=torch.int32),
-                    top_ids=torch.stack(s.top_ids),  # [answer_len, top_n]
-                    top_logprobs=torch.stack(s.top_logprobs),
-                    temperature=s.sampling.temperature,
-                    conversation=idx,
-                    **({"features": torch.stack(s.features)} if features else {}),
-                )
-                for s, (_, _, idx) in zip(seqs, part)
-            ]
+            if kept is not None and kept.exists():
+                bar.set_description("scoring kept answers")
+                records = score_answers(engine, load_answers(kept), top_n, features)
+                bar.update(chunk * max_new_tokens)
+            else:
+                bar.set_description("target answers")
+                seqs = generate_answers(engine, [(p, s) for p, s, _ in part], eos_ids,
+                                        max_new_tokens, batch_size, top_n, progress=bar,
+                                        features=features)
+                bar.update(sum(max_new_tokens - len(s.tokens) for s in seqs))
+                records = [
+                    dict(
+                        prompt=torch.tensor(s.prompt, dtype=torch.int32),
+                        answer=torch.tensor(s.tokens, dtype=torch.int32),
+                        top_ids=torch.stack(s.top_ids),  # [answer_len, top_n]
+                        top_logprobs=torch.stack(s.top_logprobs),
+                        temperature=s.sampling.temperature,
+                        conversation=idx,
+                        **({"features": torch.stack(s.features)} if features else {}),
+                    )
+                    for s, (_, _, idx) in zip(seqs, part)
+                ]
+                if kept is not None:
+                    save_answers(records, kept)
             tmp = path.with_suffix(".tmp")
             torch.save(records, tmp)
             tmp.rename(path)
