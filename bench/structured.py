@@ -3,8 +3,8 @@ requests against the same prompts unconstrained, per mode, and the grammar's cos
 
 Starts the default pair as local services (as ``specdec serve`` does), then for each schema
 (a prompt asking for that JSON) and mode (target-only / spec / pipelined) runs one greedy
-generation constrained by the schema's grammar and one without it. Reports per mode and
-kind: acceptance (accepted / drafted tokens), tokens per round, tokens/s, and for the
+generation constrained by the schema's grammar, one without it, and one constrained and
+sampled (temperature 0.8, seed = the schema's number). Reports per mode and kind: acceptance (accepted / drafted tokens), tokens per round, tokens/s, and for the
 constrained runs the share of outputs that parse and validate. The grammar's cost per token is
 timed on the constrained outputs: one mask (``GrammarState.allowed``) and one ``accept`` per
 token, as a service pays per block row, against the target's calibrated one-token step.
@@ -29,11 +29,20 @@ def _obj(props: dict, required: list[str] | None = None) -> dict:
             "additionalProperties": False}
 
 
-S, I, N, B = {"type": "string"}, {"type": "integer"}, {"type": "number"}, {"type": "boolean"}
+# Every field bounded (JSON Schema's maxLength, minimum/maximum, maxItems): the 135M default
+# target, greedy, can repeat within an unbounded field until max_tokens ends it
+# (docs/structured-output.md); bounds make every output end, so every one can validate.
+S, B = {"type": "string", "maxLength": 40}, {"type": "boolean"}
+I = {"type": "integer", "minimum": 0, "maximum": 100000}
+N = {"type": "number", "minimum": -1000, "maximum": 100000}
 
 
 def _list(item: dict) -> dict:
-    return {"type": "array", "items": item}
+    return {"type": "array", "items": item, "maxItems": 4}
+
+
+def _int(lo: int, hi: int) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi}
 
 
 # (what to ask for, its schema): 24 everyday extraction / generation shapes
@@ -41,16 +50,15 @@ SCHEMAS = [
     ("a city: its name, country and population in millions", _obj(
         {"name": S, "country": S, "population_millions": N})),
     ("a person: first name, last name, age and hobbies", _obj(
-        {"first_name": S, "last_name": S, "age": I, "hobbies": _list(S)})),
+        {"first_name": S, "last_name": S, "age": _int(0, 120), "hobbies": _list(S)})),
     ("a book: title, author, year and genre", _obj(
-        {"title": S, "author": S, "year": I, "genre": S})),
+        {"title": S, "author": S, "year": _int(1000, 2030), "genre": S})),
     ("a recipe: name, ingredients and number of steps", _obj(
-        {"name": S, "ingredients": _list(S), "steps": I})),
+        {"name": S, "ingredients": _list(S), "steps": _int(1, 50)})),
     ("the weather: city, temperature in celsius and whether it rains", _obj(
         {"city": S, "temperature_c": N, "raining": B})),
     ("a movie review: title, rating from 1 to 5 and a one-line summary", _obj(
-        {"title": S, "rating": {"type": "integer", "minimum": 1, "maximum": 5},
-         "summary": S})),
+        {"title": S, "rating": _int(1, 5), "summary": S})),
     ("a product: name, price in dollars and whether it is in stock", _obj(
         {"name": S, "price": N, "in_stock": B})),
     ("a meeting: title, day of the week and attendees", _obj(
@@ -67,26 +75,26 @@ SCHEMAS = [
     ("a to-do item: task, priority and done flag", _obj(
         {"task": S, "priority": {"enum": ["low", "medium", "high"]}, "done": B})),
     ("an animal: name, class, number of legs and whether it can fly", _obj(
-        {"name": S, "class": S, "legs": I, "can_fly": B})),
+        {"name": S, "class": S, "legs": _int(0, 1000), "can_fly": B})),
     ("a planet: name, order from the sun and number of moons", _obj(
-        {"name": S, "order": I, "moons": I})),
+        {"name": S, "order": _int(1, 9), "moons": _int(0, 200)})),
     ("a song: title, artist and length in seconds", _obj(
-        {"title": S, "artist": S, "seconds": I})),
+        {"title": S, "artist": S, "seconds": _int(1, 3600)})),
     ("a flight: from, to, airline and duration in hours", _obj(
         {"from": S, "to": S, "airline": S, "hours": N})),
     ("a student: name, grade and three course names", _obj(
-        {"name": S, "grade": I, "courses": _list(S)})),
+        {"name": S, "grade": _int(1, 12), "courses": _list(S)})),
     ("a color: name, hex code and whether it is warm", _obj(
         {"name": S, "hex": {"type": "string", "pattern": "^#[0-9a-fA-F]{6}$"}, "warm": B})),
     ("a company: name, founded year, employees and industry", _obj(
-        {"name": S, "founded": I, "employees": I, "industry": S})),
+        {"name": S, "founded": _int(1600, 2030), "employees": I, "industry": S})),
     ("a tweet: author, text and like count", _obj({"author": S, "text": S, "likes": I})),
     ("an event: name, date as YYYY-MM-DD and location", _obj(
         {"name": S, "date": {"type": "string", "format": "date"}, "location": S})),
     ("a car: make, model, year and electric flag", _obj(
-        {"make": S, "model": S, "year": I, "electric": B})),
+        {"make": S, "model": S, "year": _int(1900, 2030), "electric": B})),
     ("a quiz question with four options and the index of the answer", _obj(
-        {"question": S, "options": _list(S), "answer": I})),
+        {"question": S, "options": _list(S), "answer": _int(0, 3)})),
 ]
 
 
@@ -94,11 +102,19 @@ def prompt_of(what: str) -> str:
     return f"Reply with JSON describing {what}."
 
 
-async def _run(orch, prompt_ids: list[int], max_new: int, mode: str, grammar: str):
+# kind -> (constrained, temperature): sampled runs use a fixed seed per schema, so under the
+# coupled rule every mode must write the same tokens
+KINDS = {"unconstrained": (False, 0.0), "constrained": (True, 0.0),
+         "constrained T=0.8": (True, 0.8)}
+
+
+async def _run(orch, prompt_ids: list[int], max_new: int, mode: str, grammar: str,
+               temperature: float = 0.0, seed: int = 0):
     from orchestrator.generation import GenerationRequest
     from specdec.config import SamplingParams
 
-    sampling = SamplingParams(grammar=grammar, prompt_len=len(prompt_ids))
+    sampling = SamplingParams(temperature=temperature, seed=seed, grammar=grammar,
+                              prompt_len=len(prompt_ids))
     return await orch.generate(GenerationRequest(prompt_ids, max_new, sampling, [], mode, None))
 
 
@@ -138,19 +154,19 @@ async def _measure(orch, tokenizer, cases, modes, max_new: int) -> dict:
                 for _, schema in cases]
     prompts = [encode_prompt(tokenizer, prompt_of(what), True) for what, _ in cases]
     rows, valid, costs, outputs = {}, {}, [], {}
-    with tqdm(total=len(cases) * len(modes) * 2, desc="structured", unit="gen") as bar:
+    with tqdm(total=len(cases) * len(modes) * len(KINDS), desc="structured", unit="gen") as bar:
         for mode in modes:
-            for kind in ("unconstrained", "constrained"):
+            for kind, (constrained, temperature) in KINDS.items():
                 results, wall = [], 0.0
-                for (what, schema), grammar, ids in zip(cases, grammars, prompts):
+                for n, ((what, schema), grammar, ids) in enumerate(zip(cases, grammars, prompts)):
                     started = time.perf_counter()
-                    r = await _run(orch, ids, max_new, mode,
-                                   grammar if kind == "constrained" else "")
+                    r = await _run(orch, ids, max_new, mode, grammar if constrained else "",
+                                   temperature, seed=n)
                     wall += time.perf_counter() - started
                     results.append(r)
                     bar.update(1)
-                    if kind == "constrained":
-                        outputs.setdefault(what, set()).add(tuple(r.token_ids))
+                    if constrained:
+                        outputs.setdefault((what, kind), set()).add(tuple(r.token_ids))
                         ok = False
                         if r.finish_reason == "stop":
                             try:
@@ -158,8 +174,8 @@ async def _measure(orch, tokenizer, cases, modes, max_new: int) -> dict:
                                 ok = True
                             except (ValueError, jsonschema.ValidationError):
                                 pass
-                        valid.setdefault(mode, []).append(ok)
-                        if mode == modes[0]:
+                        valid.setdefault(f"{mode} {kind}", []).append(ok)
+                        if mode == modes[0] and kind == "constrained":
                             costs += grammar_cost_ms(orch.grammars, grammar, len(ids), ids,
                                                      r.token_ids)
                 rows[(mode, kind)] = _summary(results, wall)
@@ -174,11 +190,11 @@ async def _measure(orch, tokenizer, cases, modes, max_new: int) -> dict:
 
 
 def _print(report: dict) -> None:
-    print(f"{'mode':<12} {'kind':<14} {'acceptance':>10} {'tok/round':>9} {'tok/s':>7}")
+    print(f"{'mode':<12} {'kind':<18} {'acceptance':>10} {'tok/round':>9} {'tok/s':>7}")
     for r in report["rows"]:
         acc = f"{r['acceptance']:.3f}" if r["acceptance"] is not None else "-"
         tpr = f"{r['tokens_per_round']:.2f}" if r["tokens_per_round"] else "-"
-        print(f"{r['mode']:<12} {r['kind']:<14} {acc:>10} {tpr:>9} {r['tokens_per_s']:>7.1f}")
+        print(f"{r['mode']:<12} {r['kind']:<18} {acc:>10} {tpr:>9} {r['tokens_per_s']:>7.1f}")
     g = report["grammar_ms_per_token"]
     print(f"valid constrained outputs: {report['valid']}; identical across modes: "
           f"{report['identical_across_modes']}")
