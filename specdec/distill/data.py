@@ -72,20 +72,28 @@ def generate_answers(
         ]
         logits, feats = engine.forward_features([s.cache for s in active], feed,
                                                 [1] * len(active))
+        # every row's scores at once: per-row torch ops over the vocabulary cost more than the
+        # forward pass's share at 96 rows (measured: ~25% of the data job)
+        rows = torch.cat(logits)  # [n, vocab]
+        top = rows.log_softmax(-1).topk(top_n)
+        greedy = rows.argmax(-1).tolist()
+        probs = {}  # sampling key -> (row positions, probabilities [m, vocab])
+        for key in {_sampling_key(s.sampling) for s in active if not s.sampling.greedy}:
+            at = [i for i, s in enumerate(active) if _sampling_key(s.sampling) == key]
+            probs[key] = (at, process_logits(rows[at], active[at[0]].sampling))
         still = []
-        for seq, lg, ft in zip(active, logits, feats):
+        for i, (seq, ft) in enumerate(zip(active, feats)):
             if features:
                 seq.features.append(ft[0].to(torch.float16))
-            logprobs = lg[0].log_softmax(-1)
-            top = logprobs.topk(top_n)
-            seq.top_ids.append(top.indices.to(torch.int32))
-            seq.top_logprobs.append(top.values.to(torch.float16))
+            seq.top_ids.append(top.indices[i].to(torch.int32))
+            seq.top_logprobs.append(top.values[i].to(torch.float16))
             position = len(seq.prompt) + len(seq.tokens)
             if seq.sampling.greedy:
-                token = int(lg[0].argmax())
+                token = greedy[i]
             else:
-                probs = process_logits(lg[0], seq.sampling)
-                token = sample(probs, position_generator(seq.sampling.seed, position, "target"))
+                at, p = probs[_sampling_key(seq.sampling)]
+                token = sample(p[at.index(i)],
+                               position_generator(seq.sampling.seed, position, "target"))
             seq.tokens.append(token)
             if progress is not None:
                 progress.update(1)
@@ -95,6 +103,11 @@ def generate_answers(
                 still.append(seq)
         active = still
     return pending
+
+
+def _sampling_key(params: SamplingParams) -> tuple:
+    """What process_logits reads of a request (rows that share it share one call)."""
+    return (params.temperature, params.top_k, params.top_p)
 
 
 def score_answers(engine: LlamaEngine, records: list[dict], top_n: int, features: bool,
