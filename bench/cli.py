@@ -33,6 +33,10 @@ def register(sub) -> None:
                         "what `specdec generate` gives local services in its default mode)")
     b.add_argument("--hf-threads", type=int, default=0,
                    help="torch threads for HF baselines (0 = torch's default, every core)")
+    b.add_argument("--bound", action="store_true",
+                   help="measure the machine's read bandwidth (1 thread and the services') "
+                        "and print the weight-streaming bound of a one-token step beside the "
+                        "target's measured T(1) (a GGUF target)")
     b.add_argument("--out", default="bench/out", help="directory for the JSON and PNG plots")
     b.add_argument("--json", action="store_true", help="also print the summary as JSON")
     b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: throughput/latency vs concurrent "
@@ -83,7 +87,16 @@ def _systems(name: str) -> tuple[str, ...]:
 
 def cmd_bench(args) -> int:
     from bench import report
-    from bench.harness import BASELINE, HF_SYSTEMS, Run, SpecdecSystems, load_prompts, system_name
+    from bench import llamacpp
+    from bench.harness import (
+        BASELINE,
+        EXTERNAL_SYSTEMS,
+        LLAMACPP_SYSTEMS,
+        Run,
+        SpecdecSystems,
+        load_prompts,
+        system_name,
+    )
     from specdec.models.hf_generate import HFGenerate
     from specdec.models.tokenizer import encode_prompt
 
@@ -100,28 +113,32 @@ def cmd_bench(args) -> int:
         sets = {k: v[: args.limit] for k, v in sets.items()}
     cores = split_cores(args.split, os.cpu_count() or 1) if args.split else None
     rtts = [float(x) for x in args.rtt_ms.split(",")]
-    runs_of = [(s, None) if s in HF_SYSTEMS else (s, r) for s in systems
-               for r in (rtts if s not in HF_SYSTEMS else [None])]
+    runs_of = [(s, None) if s in EXTERNAL_SYSTEMS else (s, r) for s in systems
+               for r in (rtts if s not in EXTERNAL_SYSTEMS else [None])]
     separation = _separation(args.target, args.draft, systems, cores) if cores else None
+    base_threads = args.hf_threads or (len(cores["target"]) if cores else 0)
     print(f"starting services and loading HF models for {', '.join(systems)} ...", flush=True)
     hf = HFGenerate(args.target, args.draft if "hf-assisted" in systems else None,
-                    args.hf_threads or (len(cores["target"]) if cores else 0),
-                    cores=cores["target"] if cores else None)
+                    base_threads, cores=cores["target"] if cores else None)
+    external = {s: hf for s in EXTERNAL_SYSTEMS if s not in LLAMACPP_SYSTEMS}
+    if set(LLAMACPP_SYSTEMS) & set(systems):
+        cpp = llamacpp.LlamaCpp(args.target, base_threads, cores["target"] if cores else None)
+        external.update({s: cpp for s in LLAMACPP_SYSTEMS})
     spd = SpecdecSystems(args.target, args.draft, args.threads, systems, cores=cores, rtts=rtts)
     runs: list[Run] = []
     try:
         spd.connect()
         warm = encode_prompt(hf.tokenizer, "Hello!", None)
         for system, rtt in runs_of:  # warm-up, not recorded
-            _run_one(system, hf, spd, warm, 8, args.k, HF_SYSTEMS, rtt)
+            _run_one(system, external, spd, warm, 8, args.k, rtt)
         total = sum(len(p) for p in sets.values()) * len(runs_of)
         with tqdm(total=total, desc="bench", unit="run") as bar:
             for set_name, prompts in sets.items():
                 for i, prompt in enumerate(prompts):
                     ids = encode_prompt(hf.tokenizer, prompt, None)
                     for system, rtt in runs_of:  # interleaved: drift hits every system alike
-                        run = _run_one(system, hf, spd, ids, args.max_new_tokens, args.k,
-                                       HF_SYSTEMS, rtt)
+                        run = _run_one(system, external, spd, ids, args.max_new_tokens,
+                                       args.k, rtt)
                         run.prompt_set, run.prompt_index = set_name, i
                         runs.append(run)
                         bar.update(1)
@@ -130,6 +147,9 @@ def cmd_bench(args) -> int:
         spd.close()
     names = [system_name(s, r) for s, r in runs_of]
     summary = report.summarize(runs, names, list(sets), target_ms)
+    if args.bound:
+        summary["streaming_bound"] = llamacpp.streaming_bound(
+            args.target, sorted({1, base_threads or os.cpu_count() or 1}))
     summary["split"] = cores
     summary["separation"] = separation
     out = pathlib.Path(args.out)
@@ -144,6 +164,8 @@ def cmd_bench(args) -> int:
     (out / "bench.json").write_text(json.dumps(
         {"summary": summary, "runs": [r.__dict__ for r in runs]}, indent=1))
     print(report.table(summary))
+    if summary.get("streaming_bound"):
+        print(report.bound_line(summary["streaming_bound"], target_ms))
     if separation is not None:
         print(_separation_line(separation))
     for path in report.plots(runs, summary, out):
@@ -205,11 +227,13 @@ def cmd_concurrency(args) -> int:
     return 0
 
 
-def _run_one(system, hf, spd, ids, max_new, k, hf_systems, rtt=None):
+def _run_one(system, external, spd, ids, max_new, k, rtt=None):
+    """One generation of a system: ``external`` maps the systems specdec does not run (HF,
+    llama.cpp) to their runners."""
     from bench.harness import Run
 
-    if system in hf_systems:
-        tokens, wall = hf.run(system, ids, max_new)
+    if system in external:
+        tokens, wall = external[system].run(system, ids, max_new)
         return Run(system=system, prompt_set="", prompt_index=-1, token_ids=tokens, wall_s=wall)
     return spd.run(system, ids, max_new, k, rtt=rtt)
 

@@ -14,6 +14,7 @@ import logging
 import os
 import pathlib
 
+from bench.llamacpp import SYSTEMS as LLAMACPP_SYSTEMS
 from specdec.models.hf_generate import SYSTEMS as HF_SYSTEMS
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,10 @@ SPECDEC_RUNS = {
     "specdec-pipelined-int8-plain": ("int8", "pipelined", False),
 }
 DEFAULT_SYSTEMS = HF_SYSTEMS + SPECDEC_SYSTEMS
-ALL_SYSTEMS = DEFAULT_SYSTEMS + INT8_SYSTEMS
+# llama.cpp on the target's GGUF file: run when named (an optional package, bench/llamacpp.py)
+ALL_SYSTEMS = DEFAULT_SYSTEMS + INT8_SYSTEMS + LLAMACPP_SYSTEMS
+# systems the orchestrator does not run, each with its own runner's (tokens, wall) ``run``
+EXTERNAL_SYSTEMS = HF_SYSTEMS + LLAMACPP_SYSTEMS
 BASELINE = "hf"
 # Split: the draft services' CPU priority below the orchestrator's on the cores they share
 DRAFT_NICE = 10

@@ -212,3 +212,61 @@ def test_the_concurrency_table_leaves_vs_n1_empty_when_n1_was_not_run():
         table({"rows": [row("specdec-target-only", 4, 80.0)]})
     assert "| specdec-target-only | 4 | 80.0 | 2.00x | 1.00x |" in \
         table({"rows": [row("specdec-target-only", 1, 40.0), row("specdec-target-only", 4, 80.0)]})
+
+
+def test_llamacpp_systems_are_compared_by_agreement_not_counted_as_mismatches():
+    """llama.cpp computes with 8-bit activations: its text departing from HF's after a near tie
+    is reported as agreement; a specdec system that departs is still a mismatch."""
+    from bench.harness import Run
+    from bench.llamacpp import agreement
+    from bench.report import summarize, table
+
+    assert agreement([1, 2, 3, 9], [1, 2, 3, 4]) == 3 and agreement([5], [1, 2]) == 0
+
+    def run(system, tokens):
+        return Run(system=system, prompt_set="s", prompt_index=0, token_ids=tokens, wall_s=1.0)
+
+    hf = [1, 2, 3, 4]
+    summary = summarize([run("hf", hf), run("llamacpp", [1, 2, 7, 7]),
+                         run("specdec-target-only", [1, 2, 7, 7])],
+                        ["hf", "llamacpp", "specdec-target-only"], ["s"], [])
+    assert summary["mismatches"] == [("specdec-target-only", "s", 0)]
+    cpp = next(r for r in summary["rows"] if r["system"] == "llamacpp")
+    assert cpp["agreement_with_hf"] == 0.5
+    assert "| llamacpp (agrees on 50%) |" in table(summary)
+
+
+def test_the_streaming_bound_reads_the_gguf_tensors_and_the_machine_bandwidth():
+    from bench.llamacpp import streaming_bound, weight_bytes
+    from bench.report import bound_line
+    from specdec.models.hub import default_gguf_path
+
+    path = default_gguf_path()
+    size = weight_bytes(path)
+    assert 0.9 * path.stat().st_size < size < path.stat().st_size  # tensor data, not metadata
+    bound = streaming_bound("default", [1])
+    assert bound["weight_mb"] == size / 1e6
+    assert bound[1]["read_gbs"] > 0.1
+    assert abs(bound[1]["bound_ms"] - size / (bound[1]["read_gbs"] * 1e9) * 1e3) < 1e-6
+    assert streaming_bound("/not/a/gguf/dir", [1]) is None
+    assert "measured T(1) in service 12.0 ms" in bound_line(bound, [12.0, 13.0])
+
+
+def test_bench_runs_llamacpp_on_the_default_gguf(tmp_path):
+    """With llama-cpp-python installed: both llama.cpp systems run beside HF on the same file,
+    greedy, and agree with HF's float32 text on most of a short answer."""
+    pytest.importorskip("llama_cpp")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Name three colors of the rainbow."}) + "\n")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli", "bench", "--prompts", str(prompts),
+         "--max-new-tokens", "16", "--systems", "hf,llamacpp,llamacpp-prompt-lookup",
+         "--hf-threads", "1", "--out", str(out), "--bound"],
+        capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "weight-streaming bound" in proc.stdout
+    rows = json.loads((out / "bench.json").read_text())["summary"]["rows"]
+    for system in ("llamacpp", "llamacpp-prompt-lookup"):
+        row = next(r for r in rows if r["system"] == system)
+        assert row["tokens"] > 0 and row["agreement_with_hf"] >= 0.5, row
