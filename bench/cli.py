@@ -98,7 +98,7 @@ def cmd_bench(args) -> int:
         system_name,
     )
     from specdec.models.hf_generate import HFGenerate
-    from specdec.models.tokenizer import encode_prompt
+    from specdec.models.tokenizer import encode_prompt, eos_token_ids
 
     if args.concurrency:
         return cmd_concurrency(args)
@@ -122,7 +122,9 @@ def cmd_bench(args) -> int:
                     base_threads, cores=cores["target"] if cores else None)
     external = {s: hf for s in EXTERNAL_SYSTEMS if s not in LLAMACPP_SYSTEMS}
     if set(LLAMACPP_SYSTEMS) & set(systems):
-        cpp = llamacpp.LlamaCpp(args.target, base_threads, cores["target"] if cores else None)
+        cpp = llamacpp.LlamaCpp(args.target, base_threads,
+                                eos_token_ids(hf.tokenizer, hf.model.config),
+                                cores["target"] if cores else None)
         external.update({s: cpp for s in LLAMACPP_SYSTEMS})
     spd = SpecdecSystems(args.target, args.draft, args.threads, systems, cores=cores, rtts=rtts)
     runs: list[Run] = []

@@ -30,13 +30,12 @@ INSTALL = "pip install llama-cpp-python==0.3.36"
 class LlamaCpp:
     """The target's GGUF file under llama.cpp, greedy, one generation at a time."""
 
-    def __init__(self, target: str, threads: int, cores: list[int] | None = None,
-                 n_ctx: int = 4096):
+    def __init__(self, target: str, threads: int, eos_ids: set[int],
+                 cores: list[int] | None = None, n_ctx: int = 4096):
         from specdec.models.hub import gguf_file
 
         try:
-            from llama_cpp import Llama
-            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+            import llama_cpp  # noqa: F401
         except ImportError:
             raise SystemExit(f"error: the llamacpp systems need llama-cpp-python: {INSTALL} "
                              "(builds llama.cpp, several minutes)") from None
@@ -44,24 +43,37 @@ class LlamaCpp:
         if path is None:
             raise SystemExit(f"error: the llamacpp systems need a GGUF target, not {target!r}")
         self.cores = cores
+        self.eos = set(eos_ids)  # the target's, as the HF baselines stop on
         threads = threads or len(cores or []) or os.cpu_count() or 1
-        self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, seed=0, verbose=False)
-        self._lookup = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
-        self.eos = {self.llm.token_eos()}
+        self._args = dict(model_path=str(path), n_ctx=n_ctx, n_threads=threads,
+                          n_threads_batch=threads, seed=0, verbose=False)
+        self._models: dict[str, object] = {}
+
+    def _model(self, system: str):
+        """One llama.cpp context per system, made on first use: prompt lookup's needs the
+        logits of every position (llama-cpp-python sets that when given a draft model)."""
+        if system not in self._models:
+            from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            extra = {}
+            if system == "llamacpp-prompt-lookup":
+                extra["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
+            self._models[system] = Llama(**self._args, **extra)
+        return self._models[system]
 
     def run(self, system: str, prompt_ids: list[int], max_new: int) -> tuple[list[int], float]:
         """(greedy tokens, wall seconds), prefill included, as the HF baselines are timed."""
         if system not in SYSTEMS:
             raise ValueError(f"not a llama.cpp system: {system!r}")
-        self.llm.draft_model = self._lookup if system == "llamacpp-prompt-lookup" else None
+        llm = self._model(system)
         before = os.sched_getaffinity(0) if self.cores else None
         if self.cores:
             os.sched_setaffinity(0, self.cores)
         tokens: list[int] = []
         try:
             start = time.perf_counter()
-            for tok in self.llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
+            for tok in llm.generate(prompt_ids, top_k=1, temp=0.0, reset=True):
                 if tok in self.eos:
                     break
                 tokens.append(int(tok))
