@@ -11,8 +11,9 @@ depart from transformers' float32 text after a near tie: ``specdec bench`` repor
 its tokens agree with HF's instead of counting it as a mismatch.
 
 The bound: a one-token step must read every weight once, so T(1) >= weight bytes / read
-bandwidth. ``read_bandwidth_gbs`` measures the bandwidth (a sum over 1 GiB, the median of a few
-passes) at a thread count; ``weight_bytes`` is the GGUF file's tensor data.
+bandwidth. ``read_bandwidth_gbs`` measures the bandwidth (a sum over as many bytes as the
+weights, the median of a few passes) at a thread count; ``weight_bytes`` is the GGUF file's
+tensor data.
 """
 
 from __future__ import annotations
@@ -96,15 +97,16 @@ def agreement(tokens: list[int], reference: list[int]) -> int:
     return n
 
 
-def read_bandwidth_gbs(threads: int, gib: float = 1.0, passes: int = 5) -> float:
-    """Memory read bandwidth in GB/s at ``threads`` threads: a float32 sum over ``gib`` GiB,
-    the median of ``passes`` passes after one warm-up."""
+def read_bandwidth_gbs(threads: int, nbytes: int = 2**30, passes: int = 5) -> float:
+    """Read bandwidth in GB/s at ``threads`` threads: a float32 sum over ``nbytes`` bytes, the
+    median of ``passes`` passes after one warm-up. Give it the weights' size: a model that
+    fits in the last-level cache streams from there, and so does the sum."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        data = torch.ones(int(gib * 2**30) // 4)
+        data = torch.ones(nbytes // 4)
         data.sum()
         times = []
         for _ in range(passes):
@@ -135,6 +137,6 @@ def streaming_bound(target: str, threads: list[int]) -> dict | None:
     size = weight_bytes(path)
     out = {"weight_mb": size / 1e6}
     for t in threads:
-        gbs = read_bandwidth_gbs(t)
+        gbs = read_bandwidth_gbs(t, size)
         out[t] = dict(read_gbs=gbs, bound_ms=size / (gbs * 1e9) * 1000.0)
     return out
