@@ -10,6 +10,7 @@ import time
 
 from tqdm import tqdm
 
+from orchestrator.generation import DECODE_ON
 from specdec.config import DEFAULT_NUMERICS, NUMERICS
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,10 @@ def register(sub) -> None:
                    help="measure the machine's read bandwidth (1 thread and the services') "
                         "and print the weight-streaming bound of a one-token step beside the "
                         "target's measured T(1) (a GGUF target)")
+    b.add_argument("--decode-on", type=int, default=DECODE_ON, metavar="N",
+                   help="plain target steps per call in rounds with no block, as `specdec "
+                        "generate --decode-on` (default %(default)s; the "
+                        "specdec-target-only-stepwise system always 0)")
     b.add_argument("--out", default="bench/out", help="directory for the JSON and PNG plots")
     b.add_argument("--json", action="store_true", help="also print the summary as JSON")
     b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: throughput/latency vs concurrent "
@@ -126,7 +131,8 @@ def cmd_bench(args) -> int:
                                 eos_token_ids(hf.tokenizer, hf.model.config),
                                 cores["target"] if cores else None)
         external.update({s: cpp for s in LLAMACPP_SYSTEMS})
-    spd = SpecdecSystems(args.target, args.draft, args.threads, systems, cores=cores, rtts=rtts)
+    spd = SpecdecSystems(args.target, args.draft, args.threads, systems, cores=cores, rtts=rtts,
+                         decode_on=args.decode_on)
     runs: list[Run] = []
     try:
         spd.connect()
@@ -202,7 +208,7 @@ def cmd_concurrency(args) -> int:
     hf = HFGenerate(args.target, None, args.hf_threads or (len(cores["target"]) if cores else 0),
                     cores=cores["target"] if cores else None)
     spd = SpecdecSystems(args.target, args.draft, args.threads,
-                         list(concurrency.SYSTEMS[1:]), cores=cores)
+                         list(concurrency.SYSTEMS[1:]), cores=cores, decode_on=args.decode_on)
     try:
         spd.connect()
         ids = [encode_prompt(hf.tokenizer, p, None) for p in prompts]

@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import pathlib
 
+from orchestrator.generation import DECODE_ON
+
 
 def register(sub) -> None:
     r = sub.add_parser("bench-rules", help="acceptance of the coupled and rejection sampling "
@@ -46,6 +48,8 @@ def register(sub) -> None:
                         "(spec and pipelined, interleaved with target-only): tok/s, acceptance, "
                         "and whether the coupled rule's text is the same in every mode")
     r.add_argument("--threads", type=int, default=0, help="torch threads per service (--e2e)")
+    r.add_argument("--decode-on", type=int, default=DECODE_ON, metavar="N",
+                   help="(--e2e) plain target steps per call in rounds with no block")
     r.add_argument("--out", default="bench/out")
     r.set_defaults(func=cmd_bench_rules)
 
@@ -203,7 +207,7 @@ def end_to_end(args, prompt_ids: list[list[int]]) -> dict:
     from specdec.config import SamplingParams
 
     spd = SpecdecSystems(args.target, args.draft, args.threads,
-                         [s for _, s, _ in E2E_SYSTEMS])
+                         [s for _, s, _ in E2E_SYSTEMS], decode_on=args.decode_on)
     rows: dict[str, dict[str, list]] = {}
     try:
         spd.connect()

@@ -14,6 +14,7 @@ import logging
 import os
 import pathlib
 
+from orchestrator.generation import DECODE_ON
 from bench.llamacpp import SYSTEMS as LLAMACPP_SYSTEMS
 from specdec.models.hf_generate import SYSTEMS as HF_SYSTEMS
 
@@ -27,9 +28,12 @@ SPECDEC_SYSTEMS = ("specdec-target-only", "specdec-spec", "specdec-pipelined",
 # Drafted by the target's own int8 copy (draft "int8:<target>") instead of --draft: run when
 # named in --systems (a second target-sized service).
 INT8_SYSTEMS = ("specdec-spec-int8", "specdec-pipelined-int8", "specdec-pipelined-int8-plain")
+# Target-only with one round trip per token (decode_on = 0): what decoding on saves, when named
+STEPWISE_SYSTEMS = ("specdec-target-only-stepwise",)
 # system -> (orchestrator, mode, speculation cache); "-plain": pipelining's single guess only
 SPECDEC_RUNS = {
     "specdec-target-only": ("target", "target-only", True),
+    "specdec-target-only-stepwise": ("stepwise", "target-only", True),
     "specdec-spec": ("draft", "spec", True),
     "specdec-pipelined": ("draft", "pipelined", True),
     "specdec-pipelined-plain": ("draft", "pipelined", False),
@@ -40,7 +44,7 @@ SPECDEC_RUNS = {
 }
 DEFAULT_SYSTEMS = HF_SYSTEMS + SPECDEC_SYSTEMS
 # llama.cpp on the target's GGUF file: run when named (an optional package, bench/llamacpp.py)
-ALL_SYSTEMS = DEFAULT_SYSTEMS + INT8_SYSTEMS + LLAMACPP_SYSTEMS
+ALL_SYSTEMS = DEFAULT_SYSTEMS + INT8_SYSTEMS + STEPWISE_SYSTEMS + LLAMACPP_SYSTEMS
 # systems the orchestrator does not run, each with its own runner's (tokens, wall) ``run``
 EXTERNAL_SYSTEMS = HF_SYSTEMS + LLAMACPP_SYSTEMS
 BASELINE = "hf"
@@ -86,12 +90,15 @@ class SpecdecSystems:
     """Local target + model draft + n-gram draft services, and an orchestrator per pair."""
 
     def __init__(self, target: str, draft: str, threads: int, systems: list[str],
-                 cores: dict[str, list[int]] | None = None, rtts: list[float] = (0.0,)):
+                 cores: dict[str, list[int]] | None = None, rtts: list[float] = (0.0,),
+                 decode_on: int = DECODE_ON):
         """``cores``: {"target": [...], "draft": [...]} to pin each service (split topology;
         threads then default to the cores given). ``rtts``: round trips in ms added between
-        the orchestrator and every service (a delaying proxy per service and value)."""
+        the orchestrator and every service (a delaying proxy per service and value).
+        ``decode_on``: the orchestrators' (--decode-on; the -stepwise system's is 0)."""
         from orchestrator.local import ServiceProcess, service_args
 
+        self.decode_on = decode_on
         cores = cores or {}
 
         def args(role, model, extra=()):
@@ -145,14 +152,17 @@ class SpecdecSystems:
             # HF baselines' (which pin themselves there for each run). Deployed, the
             # orchestrator has hardware of its own.
             os.sched_setaffinity(0, self.cores["draft"])
-        pairs = {"target": None, "draft": "draft", "ngram": "ngram", "int8": "int8"}
+        pairs = {"target": None, "stepwise": None, "draft": "draft", "ngram": "ngram",
+                 "int8": "int8"}
         for rtt in self.rtts:
             t = via(self.processes["target"].address, rtt)
             for name, draft_key in pairs.items():
                 if draft_key is not None and draft_key not in self.processes:
                     continue
                 d = via(self.processes[draft_key].address, rtt) if draft_key else None
-                orch = self.loop.run_until_complete(connect(t, d, tokenizer_spec=self.target_spec))
+                steps = 0 if name == "stepwise" else self.decode_on
+                orch = self.loop.run_until_complete(
+                    connect(t, d, tokenizer_spec=self.target_spec, decode_on=steps))
                 orch.shared_cores = not self.split  # see Orchestrator
                 self.orchestrators[(name, rtt)] = orch
 

@@ -149,12 +149,16 @@ class KController:
                  pipelined: bool = False, prior_a: float = PRIOR_A,
                  prior_weight: float = PRIOR_WEIGHT, decay: float = ACCEPTANCE_DECAY,
                  k_max: int = ADAPTIVE_K_MAX, costs: Costs | None = None,
-                 pool: Acceptance | None = None, running: Callable[[], int] | None = None):
+                 pool: Acceptance | None = None, running: Callable[[], int] | None = None,
+                 decode_on: int = 0):
         """``pool``: the acceptance of the orchestrator's recent generations, told what this
         one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` while others
         run). ``running``: how many generations the orchestrator runs now, this one included
-        (the target's batch as the calls show it lags a few rounds behind)."""
+        (the target's batch as the calls show it lags a few rounds behind). ``decode_on``:
+        the plain steps the target takes on by itself in a round of no block (its call's own
+        time is then shared by 1 + decode_on tokens)."""
         self.fixed_k = fixed_k
+        self.decode_on = decode_on
         self.running = running
         self.pipelined = pipelined
         self.k_max = min(k_max, max(len(target_ms) - 1, 1)) if target_ms else k_max
@@ -261,8 +265,10 @@ class KController:
 
     def round_ms(self, k: int, a: float, now: bool = False, guess: bool = False) -> float:
         verify = self.costs.verify_ms(k)
-        if k == 0:
-            return verify
+        if k == 0:  # per token: the call's own time is shared by the tokens it decodes on
+            # (not where the cache drafts branches behind a round of no block: none then)
+            steps = 0 if self.pipelined and self.branching else self.decode_on
+            return verify - self.costs.target_call_ms * steps / (1.0 + steps)
         if not self.waits_for_draft():  # a hit's verify, else a round of no block
             return self.cache_hit * max(verify, self._behind_ms(k)) + \
                 (1.0 - self.cache_hit) * self.costs.verify_ms(0)

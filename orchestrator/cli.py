@@ -10,7 +10,7 @@ import logging
 import os
 import sys
 
-from orchestrator.generation import DEFAULT_MODE, MODES
+from orchestrator.generation import DECODE_ON, DEFAULT_MODE, MODES
 from specdec.config import DEFAULT_NUMERICS, DEFAULT_RULE, NUMERICS, RULES
 from specdec.models.tokenizer import encode_prompt
 
@@ -90,6 +90,11 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", help="client certificate for mutual TLS (enables TLS)")
     p.add_argument("--tls-key", help="client key for mutual TLS")
     p.add_argument("--tls-server-name", help="expected server name in the certificates")
+    p.add_argument("--decode-on", type=int, default=DECODE_ON, metavar="N",
+                   help="plain target steps per call in a round with no draft block "
+                        "(target-only, k = 0): the target decodes on by itself and the text "
+                        "streams every N + 1 tokens (default %(default)s; 0: a round trip per "
+                        "token)")
     p.add_argument("--target-deadline-s", type=float, default=0.0,
                    help="how long a request waits for a target that is down (dead, "
                         "restarting, loading) to come back before failing with UNAVAILABLE / "
@@ -175,7 +180,8 @@ async def orchestrator_for(args, need_draft: bool = True):
             draft_addr = draft_addr or local.draft_addr
         orch = await connect(target_addr, draft_addr if want_draft else None,
                              target_deadline_s=args.target_deadline_s,
-                             tokenizer_spec=args.tokenizer or args.target, tls=tls)
+                             tokenizer_spec=args.tokenizer or args.target, tls=tls,
+                             decode_on=args.decode_on)
         # Services specdec started here share this machine's cores with each other.
         orch.shared_cores = start_local
         if local is not None:  # restart a service that dies, and tell the orchestrator

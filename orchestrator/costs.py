@@ -168,19 +168,21 @@ class LiveCosts(Costs):
         if rec.service == "target":
             batch = max(rec.batch_size, 1)
             tokens = rec.pass_tokens or batch * (rec.sent_tokens + rec.tokens)
+            # a call that decoded on took rec.passes passes alike; its own time is once a call
+            compute_ms = rec.compute_ms / max(rec.passes, 1)
             self.target_scale = mix(self.target_scale,
-                                    rec.compute_ms / max(self.forward_ms(tokens), 1e-6), d)
+                                    compute_ms / max(self.forward_ms(tokens), 1e-6), d)
             self.target_batch = mix(self.target_batch, batch, d)
             # The target reports how long the call waited before its first pass: that wait,
             # as a share of a pass; the rest beyond compute is the call's own time.
             queued = min(rec.queued_ms, beyond)
             self.target_call_ms = mix(self.target_call_ms, beyond - queued, d)
-            wait = queued / max(rec.compute_ms, 1e-6)
+            wait = queued / max(compute_ms, 1e-6)
             if rec.after_draft:
                 self.target_wait_drafted = mix(self.target_wait_drafted, wait, d)
             else:
                 self.target_wait = mix(self.target_wait, wait, d)
-            x, y = float(tokens), rec.compute_ms
+            x, y = float(tokens), compute_ms
             for p, v in zip(self.passes, (1.0, x, y, x * x, x * y)):
                 p.add(v)
         elif rec.tokens > 0 and not rec.branches:  # (a branch call is costed apart)

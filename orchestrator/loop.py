@@ -36,6 +36,7 @@ from orchestrator.adaptive import (
     LookupSizer,
 )
 from orchestrator.generation import (
+    DECODE_ON,
     Block,
     Delta,
     GenerationRequest,
@@ -52,7 +53,7 @@ from orchestrator.service_clients import (
     TargetClient,
 )
 from orchestrator.text import TextStream
-from specdec.config import MAX_K, SamplingParams
+from specdec.config import MAX_DECODE_ON, MAX_K, SamplingParams
 from specdec.serving.branching import MAX_BRANCHES
 from specdec.serving.drafting import lookup
 from specdec.serving.grammar import GrammarState, Grammars
@@ -104,8 +105,11 @@ class Orchestrator:
     """Drives generations over one draft client (optional) and one target client."""
 
     def __init__(self, target: TargetClient, draft: DraftClient | None, tokenizer,
-                 eos_ids: list[int], max_context: int):
+                 eos_ids: list[int], max_context: int, decode_on: int = DECODE_ON):
+        if not 0 <= decode_on <= MAX_DECODE_ON:
+            raise ValueError(f"decode_on must be in [0, {MAX_DECODE_ON}], got {decode_on}")
         self.target = target
+        self.decode_on = decode_on  # plain steps per call in rounds without a block
         self.draft = draft
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
@@ -190,7 +194,7 @@ class Orchestrator:
                 max(PRIOR_A, pool.prior())
         return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
                            pipelined=req.mode == "pipelined", costs=costs, prior_a=prior,
-                           pool=pool, running=lambda: self.active)
+                           pool=pool, running=lambda: self.active, decode_on=self.decode_on)
 
     def _branch_widths(self, req: GenerationRequest) -> BranchWidth | None:
         """The speculation cache's width control, for the requests that may branch: greedy
@@ -251,9 +255,12 @@ class Orchestrator:
         try:
             while not done:
                 block = await drafting.plan(history, carried, out.remaining, stats.rounds == 0)
+                behind = False
                 if pipeline is not None:
                     pipeline.draft_behind(history, block, out.remaining)
-                rnd = await self._verify(session_id, history, block, req, stats)
+                    behind = pipeline.task is not None
+                steps = self._decode_steps(block, out.remaining, stats.rounds == 0 or behind)
+                rnd = await self._verify(session_id, history, block, req, stats, steps)
                 stats.record(rnd)
                 drafting.learn(rnd)
                 prompt_logprobs = prompt_logprobs or rnd.prompt_logprobs
@@ -277,18 +284,28 @@ class Orchestrator:
                                len(req.prompt_ids), stats, out.logprobs[: len(out.tokens)],
                                prompt_logprobs)
 
+    def _decode_steps(self, block: Block, remaining: int, held: bool) -> int:
+        """How many plain steps the target takes on by itself after this round's verdict: in
+        a round with no block, unless ``held`` (the first round, whose first token goes out
+        alone; a draft drafting behind the verdict, whose block would then be stale)."""
+        if block.tokens or held:
+            return 0
+        return max(0, min(self.decode_on, remaining - 1))
+
     async def _verify(self, session_id: str, history: History, block: Block,
-                      req: GenerationRequest, stats: GenerationStats) -> Round:
+                      req: GenerationRequest, stats: GenerationStats,
+                      decode_on: int = 0) -> Round:
         first = stats.rounds == 0
         resp, rec = await self.target.verify(
             session_id, history, block.tokens,
             [pb.SparseDist(ids=i, probs=p) for i, p in block.dists],
             req.sampling, req.request_id, req.logprobs,
             prompt_logprobs=req.prompt_logprobs and first,
+            decode_on=decode_on, stop_ids=self.eos_ids if decode_on else (),
         )
         rec.after_draft = block.source == "draft"  # (not a pipelined hit, lookup or none)
         self._record(stats, rec)
-        rnd = Round(block, int(resp.num_accepted), int(resp.next_token))
+        rnd = Round(block, int(resp.num_accepted), int(resp.next_token), list(resp.decoded))
         if req.logprobs is not None:
             rnd.logprobs = _token_logprobs(rnd.tokens, resp.logprobs)
         if req.prompt_logprobs and first:

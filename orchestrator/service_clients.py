@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 
 import grpc
 
@@ -94,6 +95,7 @@ class CallRecord:
     pass_tokens: int = 0  # a verify: new tokens of every session in its forward pass
     queued_ms: float = 0.0  # a verify: its wait in the target before its first pass
     after_draft: bool = False  # a verify sent after a draft call (set by the round loop)
+    passes: int = 1  # a verify: forward passes it took (1 + the tokens it decoded on)
 
 
 class Backoff:
@@ -428,6 +430,7 @@ class TargetClient(ServiceClient):
     async def verify(self, session_id: str, history: History, draft_tokens: list[int],
                      draft_dists, sampling: SamplingParams, request_id: str = "",
                      logprobs: int | None = None, prompt_logprobs: bool = False,
+                     decode_on: int = 0, stop_ids: Iterable[int] = (),
                      ) -> tuple[pb.VerifyResponse, CallRecord]:
         """Verify a block. A lost session is re-prefilled; a call that fails while the target
         still serves (a dropped connection) is sent again; a target that is down (dead,
@@ -450,9 +453,10 @@ class TargetClient(ServiceClient):
             req = pb.VerifyRequest(session=ref, tokens=tokens, draft_tokens=draft_tokens,
                                    draft_dists=draft_dists, sampling=sampling.to_wire(pb),
                                    request_id=request_id, logprobs=logprobs is not None,
-                                   top_logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs)
+                                   top_logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs,
+                                   decode_on=decode_on, stop_ids=list(stop_ids))
             start = time.perf_counter()
-            timeout_s = self.call_timeout_s(len(tokens))
+            timeout_s = self.call_timeout_s(len(tokens) + decode_on)
             try:
                 resp = await self._stream_call(session_id, req, timeout_s)
             except grpc.aio.AioRpcError as exc:
@@ -481,8 +485,12 @@ class TargetClient(ServiceClient):
                                        f"no verdict within {timeout_s:.1f}s") from None
                 raise
             end = time.perf_counter()
-            self.known[session_id] = history.tokens + list(draft_tokens[: resp.num_accepted])
+            # the target holds the accepted tokens and, when it decoded on, every emitted
+            # token but the last
+            emitted = [resp.next_token, *resp.decoded]
+            self.known[session_id] = (history.tokens + list(draft_tokens[: resp.num_accepted])
+                                      + emitted[:-1])
             return resp, CallRecord("target", start, end, resp.compute_ms, len(draft_tokens),
                                     re_prefilled=re_prefilled, batch_size=resp.batch_size,
                                     sent_tokens=len(tokens), pass_tokens=resp.pass_tokens,
-                                    queued_ms=resp.queued_ms)
+                                    queued_ms=resp.queued_ms, passes=max(resp.passes, 1))

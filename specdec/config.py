@@ -15,6 +15,8 @@ NUMERICS = ("float", "integer")
 DEFAULT_NUMERICS = "float"
 
 MAX_K = 64
+# Plain target steps one verify call may take after its verdict (VerifyRequest.decode_on).
+MAX_DECODE_ON = 64
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's limit)
 # Below this temperature logits / temperature overflows float32 (NaN probabilities); greedy
 # decoding is the limit of sampling as the temperature goes to 0, so it is used instead (as

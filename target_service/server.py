@@ -47,6 +47,8 @@ class TargetServicer(CommonServicerMixin, pb_grpc.TargetServiceServicer):
             queued_ms=work.queued_s * 1000.0,
             logprobs=_wire_logprobs(result.logprobs),
             prompt_logprobs=_wire_logprobs(result.prompt_logprobs),
+            decoded=result.decoded,
+            passes=result.passes,
         )
 
     async def Verify(self, request, context):

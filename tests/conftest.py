@@ -298,15 +298,19 @@ class ApiHost:
         self.thread.join(30)
 
 
-async def generate_on(services, draft_key, prompt, mode, k, max_new=40, sampling=None, hook=None):
+async def generate_on(services, draft_key, prompt, mode, k, max_new=40, sampling=None, hook=None,
+                      decode_on=0):
     """One generation over the services (draft_key None: target-only); its result. hook(n)
-    is awaited after the n-th streamed delta."""
+    is awaited after the n-th streamed delta. ``decode_on`` 0 by default: on the tiny models
+    a call costs more than a pass, so with decoding on adaptive k would rightly never draft,
+    and the tests of speculation here need it to (tests/test_decode_on.py tests decoding on)."""
     from orchestrator.generation import GenerationRequest
     from orchestrator.pair import close, connect
     from specdec.config import SamplingParams
 
     draft = services[draft_key].address if draft_key else None
-    orch = await connect(services["target"].address, draft, tokenizer_spec="default")
+    orch = await connect(services["target"].address, draft, tokenizer_spec="default",
+                         decode_on=decode_on)
     try:
         req = GenerationRequest(prompt, max_new, sampling or SamplingParams(), [], mode, k)
         result = None

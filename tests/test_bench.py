@@ -74,6 +74,7 @@ def test_bench_rules_measures_both_rules_and_the_coupled_texts_agree(tmp_path, t
     stdout = _cli("bench-rules", "--prompts", str(prompts), "--target", tiny_models["target"],
                   "--draft", tiny_models["near_draft"], "--max-new-tokens", "10",
                   "--noise-draws", "24", "--temperatures", "1.0", "--e2e", "--threads", "1",
+                  "--decode-on", "0",  # (as in the concurrency test below)
                   "--out", str(out))
     assert "| 1.0 | spec coupled |" in stdout and "| 1.0 | pipelined rejection |" in stdout
     data = json.loads((out / "rules.json").read_text())
@@ -112,7 +113,10 @@ def test_bench_concurrency_runs_every_system_at_every_level_against_target_only(
     stdout = _cli("bench", "--concurrency", "1,2", "--prompts", str(prompts),
                   "--target", tiny_models["target"], "--draft", tiny_models["near_draft"],
                   "--max-new-tokens", "8", "--threads", "1", "--hf-threads", "1",
-                  "--requests-per-client", "2", "--repeats", "2", "--out", str(out))
+                  "--requests-per-client", "2", "--repeats", "2", "--out", str(out),
+                  # a round trip per plain token: on the tiny pair, whose calls cost more than
+                  # its passes, decoding on beats any block, so spec would never draft
+                  "--decode-on", "0")
     assert "every answer's greedy token ids equal HF target-only's" in stdout
     assert "vs specdec-target-only" in stdout
     data = json.loads((out / "concurrency.json").read_text())

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from orchestrator import adaptive
-from orchestrator.generation import GenerationRequest
+from orchestrator.generation import DECODE_ON, GenerationRequest
 from orchestrator.loop import Orchestrator
 from orchestrator.service_clients import CallRecord, ServiceError
 from specdec.config import SamplingParams
@@ -54,7 +54,8 @@ class FakeTarget:
         return target_next(seq)
 
     async def verify(self, session_id, history, draft_tokens, draft_dists, sampling,
-                     request_id="", logprobs=None, prompt_logprobs=False):
+                     request_id="", logprobs=None, prompt_logprobs=False, decode_on=0,
+                     stop_ids=()):
         start = time.perf_counter()
         await asyncio.sleep(0.002)
         self.calls += 1
@@ -67,11 +68,14 @@ class FakeTarget:
                 break
             seq.append(tok)
             accepted += 1
-        resp = pb.VerifyResponse(num_accepted=accepted,
-                                 next_token=self.next_token(seq, prompt_len),
-                                 compute_ms=self.compute_ms)
+        emitted = [self.next_token(seq, prompt_len)]
+        while len(emitted) <= decode_on and emitted[-1] not in stop_ids:  # plain steps
+            emitted.append(self.next_token(seq + emitted, prompt_len))
+        resp = pb.VerifyResponse(num_accepted=accepted, next_token=emitted[0],
+                                 decoded=emitted[1:], compute_ms=self.compute_ms,
+                                 passes=len(emitted))
         return resp, CallRecord("target", start, time.perf_counter(), self.compute_ms,
-                                len(draft_tokens))
+                                len(draft_tokens), passes=len(emitted))
 
     async def close_session(self, session_id):
         pass
@@ -169,8 +173,9 @@ def test_every_mode_emits_the_targets_tokens(mode, k):
     assert sum(s.tokens_per_round) >= len(result.token_ids)  # the last round may overshoot
     assert s.accepted_tokens == sum(s.accepted_per_position)
     assert s.draft_tokens == sum(k * n for k, n in s.rounds_per_k.items())
-    if mode == "target-only":
-        assert s.draft_tokens == 0 and s.rounds == 40
+    if mode == "target-only":  # the first token alone, then 1 + DECODE_ON a call
+        assert s.draft_tokens == 0 and s.rounds == 1 + -(-39 // (1 + DECODE_ON))
+        assert s.decoded_tokens == 40 - s.rounds
 
 
 def test_pipelined_rounds_hit_and_miss_with_a_poor_draft_and_cancel_the_misses():
@@ -222,7 +227,8 @@ def test_a_failing_draft_costs_speed_not_tokens():
     result = generate("spec", 2, draft=draft)
     assert result.token_ids == target_text([5, 11, 23], 40)
     assert result.stats.draft_failures == 2
-    assert result.stats.tokens_without_draft == 2
+    # each failed round's token and those the target decoded on after it
+    assert result.stats.tokens_without_draft == 2 * (1 + DECODE_ON)
     assert draft.failed  # a service failure (not the request's fault) marks the draft down
 
 

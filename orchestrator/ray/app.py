@@ -64,7 +64,8 @@ async def connect_pairs(cfg: RayAppConfig):
         for i in range(max(len(targets), len(drafts))):
             t, d = targets[i % len(targets)], drafts[i % len(drafts)]
             pairs.append(await connect(t, d, tls=tls, tokenizer=tokenizer,
-                                       ready_timeout_s=opts.ready_timeout_s))
+                                       ready_timeout_s=opts.ready_timeout_s,
+                                       decode_on=opts.decode_on))
             labels.append(f"target={t} draft={d}")
     except BaseException:
         for orch in pairs:

@@ -8,8 +8,9 @@ from typing import Any, Literal
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from orchestrator.generation import DECODE_ON
 from orchestrator.routing import POLICIES
-from specdec.config import ServiceConfig
+from specdec.config import MAX_DECODE_ON, ServiceConfig
 
 # ServiceConfig fields the group sets itself (not through ``service``).
 _GROUP_OWNED = {"model", "role", "host", "port"}
@@ -90,6 +91,8 @@ class IngressOptions(_Section):
     tokenizer: str | None = None  # tokenizer for prompts; None = the target's model spec
     tls: TlsOptions | None = None  # None: $SPECDEC_TLS_* in the replica, if set
     ready_timeout_s: float = Field(900.0, gt=0)  # how long a replica waits for the services
+    # plain target steps per call in a round with no draft block (--decode-on; 0: none)
+    decode_on: int = Field(DECODE_ON, ge=0, le=MAX_DECODE_ON)
 
     @pydantic.field_validator("routing")
     @classmethod

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from specdec.config import MAX_K, MAX_TOP_LOGPROBS, SamplingParams
+from specdec.config import MAX_DECODE_ON, MAX_K, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.serving.acceptance import verify_coupled, verify_greedy, verify_rejection
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.grammar import Grammars, block_masks, mask_logits, session_grammar
@@ -35,6 +35,8 @@ class VerifyCall:
     request_id: str = ""
     logprobs: int | None = None  # None: none; N: each emitted token's and N alternatives'
     prompt_logprobs: bool = False  # also score tokens[1:] (with the same N alternatives)
+    decode_on: int = 0  # plain steps to take after the verdict (VerifyRequest.decode_on)
+    stop_ids: frozenset[int] = frozenset()  # decoding on ends after one of these
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "VerifyCall":
@@ -51,6 +53,9 @@ class VerifyCall:
         if not (0 <= req.top_logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {req.top_logprobs}")
+        if req.decode_on > MAX_DECODE_ON:
+            raise ValueError(f"decode_on must be in [0, {MAX_DECODE_ON}], got {req.decode_on}")
+        _check_ids(list(req.stop_ids), vocab_size, "stop_ids")
         dists: list[tuple[list[int], list[float]]] = []
         if not sampling.drafter_invariant:
             if len(req.draft_dists) != len(drafts):
@@ -79,6 +84,8 @@ class VerifyCall:
             request_id=req.request_id[:64],
             logprobs=int(req.top_logprobs) if req.logprobs or req.prompt_logprobs else None,
             prompt_logprobs=bool(req.prompt_logprobs),
+            decode_on=int(req.decode_on),
+            stop_ids=frozenset(req.stop_ids),
         )
 
 
@@ -98,6 +105,8 @@ class VerifyResult:
         default_factory=list)
     prompt_logprobs: list[tuple[float, list[int], list[float]]] = dataclasses.field(
         default_factory=list)  # of tokens[1:], when asked for
+    decoded: list[int] = dataclasses.field(default_factory=list)  # decoded on after next_token
+    passes: int = 1  # forward passes of the block and of each decoded token
 
 
 def emitted_logprobs(logits: torch.Tensor, tokens: list[int], top: int):
@@ -112,7 +121,8 @@ def emitted_logprobs(logits: torch.Tensor, tokens: list[int], top: int):
 
 
 class VerifyWork:
-    """One verify call as scheduler work: prefill chunks, then the block in one pass."""
+    """One verify call as scheduler work: prefill chunks, then the block in one pass, then
+    (decode_on) plain steps, one a pass, each decided as a k = 0 call after it would be."""
 
     def __init__(self, call: VerifyCall, engine: LlamaEngine, store: SessionStore, vocab_size: int,
                  grammars: Grammars | None = None):
@@ -177,6 +187,39 @@ class VerifyWork:
         self._fed += self._piece_len
         if self._fed < len(self._feed):
             return False
+        num_accepted, next_token, emitted_lp = self._verdict(logits)
+        if self._result is None:
+            self._result = VerifyResult(num_accepted, next_token, len(self.session), emitted_lp,
+                                        self._prompt_logprobs)
+        else:  # a step decoded on
+            self._result.decoded.append(next_token)
+            self._result.logprobs += emitted_lp
+            self._result.cache_len = len(self.session)
+            self._result.passes += 1
+        if self._decoding_on(next_token):
+            # the next pass is the plain step a k = 0 call with tokens = [next_token] would take
+            self.call = dataclasses.replace(
+                c, prefix_len=len(self.session), tokens=[next_token], draft_tokens=[],
+                draft_dists=[], prompt_logprobs=False, decode_on=c.decode_on - 1)
+            self._feed, self._fed = [next_token], 0
+            return False
+        self.session.compute_s += self.compute_s
+        return True
+
+    def _decoding_on(self, token: int) -> bool:
+        c = self.call
+        if c.decode_on <= 0 or token in c.stop_ids or \
+                len(self.session) + 2 > self.engine.arch.max_context:
+            return False
+        if self.grammar is not None:  # a grammar that token completes ends the output
+            self.grammar.sync(self.session.tokens + [token])
+            return not self.grammar.matcher.is_terminated()
+        return True
+
+    def _verdict(self, logits: torch.Tensor) -> tuple[int, int, list]:
+        """Apply the acceptance rule to the block's logits [k + 1, vocab], commit the accepted
+        tokens to the session: (num_accepted, next_token, the emitted tokens' logprobs)."""
+        c = self.call
         k = len(c.draft_tokens)
         logits = self.engine.full_vocab_logits(logits, self.vocab_size)  # [k + 1, vocab]
         drafts = torch.tensor(c.draft_tokens, dtype=torch.long)
@@ -210,14 +253,11 @@ class VerifyWork:
         self.session.tokens_in += len(c.tokens)
         self.session.proposed += k
         self.session.accepted += num_accepted
-        self.session.compute_s += self.compute_s
         self.session.cache.truncate(c.prefix_len + len(kept))
         emitted = c.draft_tokens[:num_accepted] + [next_token]
         logprobs = ([] if c.logprobs is None else
                     emitted_logprobs(raw[: num_accepted + 1], emitted, c.logprobs))
-        self._result = VerifyResult(num_accepted, next_token, len(self.session), logprobs,
-                                    self._prompt_logprobs)
-        return True
+        return num_accepted, next_token, logprobs
 
     def result(self) -> VerifyResult:
         assert self._result is not None

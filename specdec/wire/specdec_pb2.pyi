@@ -118,7 +118,7 @@ class DraftResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., branches: _Optional[_Iterable[_Union[BranchBlock, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session", "tokens", "draft_tokens", "draft_dists", "sampling", "request_id", "logprobs", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("session", "tokens", "draft_tokens", "draft_dists", "sampling", "request_id", "logprobs", "top_logprobs", "prompt_logprobs", "decode_on", "stop_ids")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class VerifyRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ON_FIELD_NUMBER: _ClassVar[int]
+    STOP_IDS_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -137,7 +139,9 @@ class VerifyRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     prompt_logprobs: bool
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    decode_on: int
+    stop_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., decode_on: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -150,7 +154,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "cache_len", "compute_ms", "batch_size", "logprobs", "prompt_logprobs", "pass_tokens", "queued_ms")
+    __slots__ = ("num_accepted", "next_token", "cache_len", "compute_ms", "batch_size", "logprobs", "prompt_logprobs", "pass_tokens", "queued_ms", "decoded", "passes")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +164,8 @@ class VerifyResponse(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODED_FIELD_NUMBER: _ClassVar[int]
+    PASSES_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     cache_len: int
@@ -169,7 +175,9 @@ class VerifyResponse(_message.Message):
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     pass_tokens: int
     queued_ms: float
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pass_tokens: _Optional[int] = ..., queued_ms: _Optional[float] = ...) -> None: ...
+    decoded: _containers.RepeatedScalarFieldContainer[int]
+    passes: int
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pass_tokens: _Optional[int] = ..., queued_ms: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., passes: _Optional[int] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
