@@ -135,8 +135,11 @@ class LlamaEngine:
         native: bool = True,
         codes: dict[str, GroupedCodes] | None = None,
         numerics: str = DEFAULT_NUMERICS,
+        dtype: torch.dtype | None = None,
     ):
-        """``native``: run what a layer does between its linear layers on the fused C ops
+        """``dtype``: of the weights, activations and KV cache (None: float32 on CPU, bfloat16
+        elsewhere); logits leave in float32 and RMSNorm statistics are float32 whatever it is.
+        ``native``: run what a layer does between its linear layers on the fused C ops
         (``native/layerops.c``) where they can run it exactly (see ``_native_ops``); False:
         always torch's ops. ``codes``: weights (by canonical name) that are also held exactly
         as grouped int8 codes (a GGUF file's blocks, ``specdec.models.gguf_codes``), which
@@ -151,14 +154,24 @@ class LlamaEngine:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.arch = arch
         self.device = torch.device(device)
-        self.dtype = torch.float32 if self.device.type == "cpu" else torch.float16
+        if dtype is None:
+            dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        self.dtype = dtype
         # CPU linear kernels (specdec.serving.kernels): "auto" times them at start and keeps the
         # fastest per shape; "mkl" is F.linear, "mkl-t" oneMKL on the transposed weight,
         # "onednn" prepacked weights, "smallm" specdec's own few-rows kernel. GPUs use F.linear.
-        onednn = prepack_available(self.device)  # (False off CPU)
+        # specdec's CPU kernels are float32's: other dtypes run F.linear.
+        fp32_cpu = self.device.type == "cpu" and dtype == torch.float32
+        onednn = fp32_cpu and prepack_available(self.device)  # (False off CPU)
+        if kernels in ("onednn", "smallm", "mkl-t") and not fp32_cpu:
+            raise ValueError(f"kernels={kernels!r} runs float32 on CPU; {dtype} on "
+                             f"{self.device.type} runs F.linear (kernels 'auto' or 'mkl')")
         if kernels == "onednn" and not onednn:
             raise ValueError("kernels='onednn' needs a CPU build of torch with oneDNN")
-        smallm = kernels in ("auto", SMALLM) and smallm_available(self.device)  # (built once)
+        smallm = kernels in ("auto", SMALLM) and fp32_cpu and \
+            smallm_available(self.device)  # (built once)
         if kernels == "smallm" and not smallm:
             raise ValueError("kernels='smallm' needs a CPU with AVX-512 or AVX2 + FMA and a C "
                              "compiler (cc, gcc or $CC)")
@@ -171,7 +184,7 @@ class LlamaEngine:
         plan = None  # quantized: one int8 product for every shape, nothing to choose between
         if integer:  # one kernel for every row count: no row's numbers depend on its pass
             plan = KernelPlan.fixed(SMALLM)
-        elif self.device.type == "cpu" and quantize is None:
+        elif fp32_cpu and quantize is None:
             plan = KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ()) +
                               ((SMALLM,) if smallm else ())) \
                 if kernels == "auto" else KernelPlan.fixed(kernels)
@@ -189,28 +202,35 @@ class LlamaEngine:
         def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
+        def norm(name: str) -> torch.Tensor:
+            # Gemma's (1 + w) scales the float32 statistic in float32, as transformers does
+            # (``_rms_norm``); the others' w multiplies after the cast to the model's dtype.
+            if arch.norm_plus_one:
+                return weights[name].to(self.device, torch.float32)
+            return w(name)
+
         self.embed = w("embed")  # [vocab_in, hidden]
         self.layers = []
         for i in range(arch.num_layers):
             p = f"layers.{i}."
             layer = dict(
-                attn_norm=w(p + "attn_norm"),
+                attn_norm=norm(p + "attn_norm"),
                 qkv=linear(p + "wqkv", opt(p + "bqkv")),
                 o=linear(p + "wo", opt(p + "bo")),
-                mlp_norm=w(p + "mlp_norm"),
+                mlp_norm=norm(p + "mlp_norm"),
                 gate_up=linear(p + "w_gate_up", opt(p + "b_gate_up")),
                 down=linear(p + "w_down", opt(p + "b_down")),
             )
             # Only for the architectures that have them (a key's absence is the plain path).
             for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
                 if p + name in weights:
-                    layer[name] = w(p + name)
+                    layer[name] = norm(p + name)
             if arch.qk_norm and "q_norm" not in layer:
                 raise ValueError(f"{arch.model_type}: layer {i} has no q_norm / k_norm weights")
             if arch.sandwich_norms and "post_attn_norm" not in layer:
                 raise ValueError(f"{arch.model_type}: layer {i} has no post-attention norm")
             self.layers.append(layer)
-        self.norm = w("norm")
+        self.norm = norm("norm")
         self.head = linear("head", None)
         self.vocab_in = self.embed.shape[0]
         self.vocab_out = self.head.out_features
@@ -279,19 +299,47 @@ class LlamaEngine:
     @classmethod
     def from_hf(cls, model, device="cpu", kernels: str = "auto",
                 quantize: str | None = None, gguf=None,
-                numerics: str = DEFAULT_NUMERICS) -> "LlamaEngine":
+                numerics: str = DEFAULT_NUMERICS,
+                dtype: torch.dtype | None = None) -> "LlamaEngine":
         """From a transformers Llama-family causal LM (weights are copied); ``gguf``: the GGUF
         file it was dequantized from, whose blocks smallm then streams where they encode a
         weight exactly (``specdec.models.gguf_codes``)."""
         arch = ArchConfig.from_hf(model.config)
         weights = canonical_weights(model.state_dict(), arch)
         codes = None
-        if gguf is not None and quantize is None and torch.device(device).type == "cpu":
+        if gguf is not None and quantize is None and torch.device(device).type == "cpu" \
+                and dtype in (None, torch.float32):
             from specdec.models.gguf_codes import exact_codes
 
             codes = exact_codes(gguf, weights)
         return cls(arch, weights, device, kernels, quantize=quantize, codes=codes,
-                   numerics=numerics)
+                   numerics=numerics, dtype=dtype)
+
+    @classmethod
+    def from_checkpoint(cls, model_dir, device="cpu", kernels: str = "auto",
+                        quantize: str | None = None, gguf=None,
+                        numerics: str = DEFAULT_NUMERICS,
+                        dtype: torch.dtype | None = None) -> "LlamaEngine":
+        """From a Hugging Face model directory's safetensors, read shard by shard straight
+        into ``dtype`` on ``device`` (``specdec.models.checkpoint``): the host never holds the
+        model twice. Otherwise as ``from_hf``."""
+        from transformers import AutoConfig
+
+        from specdec.models.checkpoint import load_weights
+
+        device = torch.device(device)
+        if dtype is None:
+            dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        arch = ArchConfig.from_hf(AutoConfig.from_pretrained(model_dir))
+        weights = load_weights(model_dir, arch, device, dtype)
+        codes = None
+        if gguf is not None and quantize is None and device.type == "cpu" \
+                and dtype == torch.float32:
+            from specdec.models.gguf_codes import exact_codes
+
+            codes = exact_codes(gguf, weights)
+        return cls(arch, weights, device, kernels, quantize=quantize, codes=codes,
+                   numerics=numerics, dtype=dtype)
 
     def new_cache(self) -> KVCache:
         return KVCache(self.arch, self.device, self.dtype)
@@ -299,8 +347,12 @@ class LlamaEngine:
     # -- forward ----------------------------------------------------------------------------
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm with its statistic in float32: Llama's w * norm(x).to(dtype), Gemma's
+        ((1 + w) * norm(x)).to(dtype) with 1 + w held in float32 (transformers' two forms)."""
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.arch.rms_norm_eps)
+        if weight.dtype != x.dtype:  # float32 (1 + w) of a lower-precision model
+            return (weight * xf).to(x.dtype)
         return weight * xf.to(x.dtype)
 
     @staticmethod
@@ -365,7 +417,7 @@ class LlamaEngine:
         rows = torch.cat([torch.arange(p.offsets[i + 1] - m, p.offsets[i + 1], device=self.device)
                           for i, m in enumerate(num_logits)])
         if rows.numel() == 0:
-            return ([torch.empty(0, self.vocab_out) for _ in caches],
+            return ([torch.empty(0, self.vocab_out, device=self.device) for _ in caches],
                     [x.new_empty(0, x.shape[1]) for _ in caches])
         if self.numerics == "integer" and self.native is not None:  # per row, by construction
             picked, feats = x[rows].contiguous(), torch.empty(len(rows), x.shape[1])
