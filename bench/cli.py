@@ -78,8 +78,9 @@ def register(sub) -> None:
     v.add_argument("--out", default="bench/out")
     v.set_defaults(func=cmd_bench_verify)
 
-    from bench import exactness
+    from bench import exactness, gpu
 
+    gpu.register(sub)
     exactness.register(sub)
     exactness.register_divergence(sub)
 

@@ -11,7 +11,7 @@ import os
 import sys
 
 from orchestrator.generation import DECODE_ON, DEFAULT_MODE, MODES
-from specdec.config import DEFAULT_NUMERICS, DEFAULT_RULE, NUMERICS, RULES
+from specdec.config import DEFAULT_DTYPE, DEFAULT_NUMERICS, DEFAULT_RULE, DTYPES, NUMERICS, RULES
 from specdec.models.tokenizer import encode_prompt
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,9 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
                         "(float32 on the weights the codes encode, transformers' numbers within "
                         "rounding) or integer (llama.cpp's int8 dot products, a position's "
                         "logits the same bits in any pass; default %(default)s)")
+    p.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+                   help="local services' weights, activations and KV cache: auto (default: "
+                        "bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16")
     p.add_argument("--tokenizer", help="tokenizer for prompts (default: the --target model)")
     p.add_argument("--tls-ca", help="TLS to the services: the CA that signed their certificates "
                                     "(without it, the system's roots)")
@@ -166,12 +169,14 @@ async def orchestrator_for(args, need_draft: bool = True):
                          "--target-addr and --draft-addr (local services listen on "
                          "loopback without TLS)")
     local = None
+    dtype = ["--dtype", getattr(args, "dtype", DEFAULT_DTYPE)]
     if start_local:
         local = LocalServices(target=args.target,
                               draft=args.draft if want_draft and draft_addr is None else None,
                               threads=args.threads,
                               target_args=["--numerics", getattr(args, "numerics",
-                                                                 DEFAULT_NUMERICS)])
+                                                                 DEFAULT_NUMERICS), *dtype],
+                              draft_args=dtype)
     orch = None
     try:
         if local is not None:

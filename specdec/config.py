@@ -13,6 +13,11 @@ KERNEL_CHOICES = ("auto", "onednn", "mkl", "mkl-t", "smallm")
 # int32 block sums), every position's logits bit-identical whichever pass computes them.
 NUMERICS = ("float", "integer")
 DEFAULT_NUMERICS = "float"
+# The models' weight and activation dtype: "auto" is bfloat16 on CUDA, float32 elsewhere (the
+# CPU kernels are float32). Logits, RMSNorm statistics, acceptance and sampling are float32
+# whatever this is (specdec.serving.engine).
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_DTYPE = "auto"
 
 MAX_K = 64
 # Plain target steps one verify call may take after its verdict (VerifyRequest.decode_on).
@@ -182,6 +187,7 @@ class ServiceConfig:
     prefill_share: float = 0.5
     kernels: str = "auto"  # CPU linear kernels: auto (fastest per row count), onednn, mkl, mkl-t
     numerics: str = DEFAULT_NUMERICS  # float | integer (NUMERICS)
+    dtype: str = DEFAULT_DTYPE  # auto | float32 | bfloat16 | float16 (DTYPES)
     calibrate: bool = True  # measure forward costs at start (reported in GetInfo)
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -214,6 +220,8 @@ class ServiceConfig:
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, "
                              f"got {self.numerics!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got {self.batch_wait_ms}")
         if self.regroup_ms < 0:

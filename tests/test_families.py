@@ -273,6 +273,68 @@ def test_the_whole_layer_stack_in_one_native_call_is_the_per_layer_loop_bit_for_
         assert not LlamaEngine.from_hf(model, kernels="mkl")._whole_stack(1)
 
 
+# bfloat16 keeps 8 bits of mantissa: the engine and transformers round the same ops in the
+# same dtype but not always in the same order (fused q/k/v, SDPA kernels), so rows agree to a
+# few bf16 ulps of the largest logit rather than to fp32 rounding.
+BF16_TOL = 3e-2
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_bf16_logits_match_transformers_bf16(family_dirs, name):
+    """In bfloat16 (the GPU default), the engine's float32 logits equal transformers' bf16
+    forward within BF16_TOL of the largest logit: prefill, steps, a verify block, rollback.
+    Norm statistics are float32 in both; Gemma's 1 + w is float32 as transformers keeps it."""
+    model, _ = load_hf_model(family_dirs(name))
+    with torch.no_grad():  # Gemma 2's attention logits back at init scale: at the soft-cap
+        for layer in model.model.layers:  # (|score| ~ 50, a bf16 ulp 0.25) transformers' own
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):  # bf16 is 0.39
+                proj.weight.div_(QK_SCALE.get(name, 1.0))  # off its fp32
+    model = model.to(torch.bfloat16)
+    engine = LlamaEngine.from_hf(model, dtype=torch.bfloat16)
+    assert engine.dtype == torch.bfloat16 and engine.native is None and engine.kernels is None
+    assert engine.embed.dtype == torch.bfloat16
+    assert engine.norm.dtype == (torch.float32 if engine.arch.norm_plus_one else torch.bfloat16)
+    cache = engine.new_cache()
+    assert cache.k.dtype == torch.bfloat16
+    logits = engine.forward([cache], [torch.arange(5) + 100], [2])[0]
+    assert logits.dtype == torch.float32 and logits.shape == (2, engine.vocab_out)
+    worst_abs, worst = engine_vs_transformers(engine, model)
+    print(f"{name} (bf16): max |logit difference| {worst_abs:.2e}, relative {worst:.2e}")
+    assert worst <= BF16_TOL, (name, worst)
+
+
+def test_a_bf16_pair_writes_the_bf16_target_only_greedy_text(family_dirs):
+    """Target and draft services in bfloat16: speculative greedy text equals the bf16 target's
+    own target-only text, with draft tokens both accepted and rejected."""
+    from orchestrator.generation import GenerationRequest
+    from orchestrator.pair import close, connect
+
+    name = "llama3"
+    prompt = [int(t) for t in torch.arange(20) * 53 % 4000 + 200]
+    target = ServiceThread("target", family_dirs(name), dtype="bfloat16")
+    draft = ServiceThread("draft", family_dirs(name, "draft"), target=family_dirs(name),
+                          dtype="bfloat16")
+    assert target.host.runtime.engine.dtype == torch.bfloat16
+
+    async def go():
+        orch = await connect(target.address, draft.address)
+        try:
+            return {mode: await orch.generate(GenerationRequest(
+                prompt, 24, mode=mode, k=3, prompt_lookup=False))
+                for mode in ("target-only", "spec")}
+        finally:
+            await close(orch)
+
+    try:
+        results = run(go())
+    finally:
+        target.stop()
+        draft.stop()
+    assert results["spec"].token_ids == results["target-only"].token_ids
+    stats = results["spec"].stats
+    assert 0 < stats.accepted_tokens < stats.draft_tokens, stats
+
+
 def engine_vs_transformers(engine: LlamaEngine, model) -> tuple[float, float]:
     """Max (absolute, relative) logit difference from transformers' forward over a prefill,
     single steps, a verify block and a rollback into the steps followed by a block."""

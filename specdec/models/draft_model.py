@@ -48,19 +48,14 @@ def read_meta(path) -> dict:
 
 
 def target_embedding(target: str) -> torch.Tensor:
-    """The target's input embedding [vocab, hidden], read alone from its safetensors."""
-    from safetensors import safe_open
-
+    """The target's input embedding [vocab, hidden] in float32, read alone from the shard of
+    its safetensors checkpoint that holds it."""
+    from specdec.models.checkpoint import read_tensor
     from specdec.models.hub import resolve_model_dir
 
-    path = resolve_model_dir(target) / "model.safetensors"
-    with safe_open(str(path), framework="pt") as f:
-        names = set(f.keys())
-        # Tied models may be saved with only one of the two names.
-        for name in ("model.embed_tokens.weight", "lm_head.weight"):
-            if name in names:
-                return f.get_tensor(name).float()
-    raise KeyError(f"{path} holds no input embedding")
+    # Tied models may be saved with only one of the two names.
+    return read_tensor(resolve_model_dir(target),
+                       ("model.embed_tokens.weight", "lm_head.weight")).float()
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,7 +114,7 @@ def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def load_engine(path, device, kernels: str = "auto", quantize: str | None = None,
-                numerics: str = DEFAULT_NUMERICS):
+                numerics: str = DEFAULT_NUMERICS, dtype: torch.dtype | None = None):
     """(engine, tokenizer, None) for a draft directory. On CPU the engine also streams the
     stored int8 matrices as they are (``stored_codes``)."""
     from specdec.models.hub import load_tokenizer
@@ -129,9 +124,10 @@ def load_engine(path, device, kernels: str = "auto", quantize: str | None = None
     arch = ArchConfig(**meta["arch"])
     vocab_map = weights.pop("vocab_map").long()
     weights = {k: v.float() for k, v in weights.items()}
-    codes = stored_codes(tensors) if torch.device(device).type == "cpu" else None
+    codes = stored_codes(tensors) if torch.device(device).type == "cpu" and \
+        dtype in (None, torch.float32) else None
     engine = LlamaEngine(arch, weights, device, kernels, vocab_map=vocab_map, quantize=quantize,
-                         codes=codes, numerics=numerics)
+                         codes=codes, numerics=numerics, dtype=dtype)
     return engine, load_tokenizer(meta["target"]), None
 
 

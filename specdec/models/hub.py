@@ -144,3 +144,16 @@ def pick_device(device: str = "auto") -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device | str) -> torch.dtype:
+    """The engine dtype a config's ``dtype`` (config.DTYPES) names on ``device``: "auto" is
+    bfloat16 on CUDA (fp16's range overflows in Qwen2.5 and Gemma 2's residual streams) and
+    float32 elsewhere, where specdec's CPU kernels run."""
+    from specdec.config import DTYPES
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    return getattr(torch, dtype)

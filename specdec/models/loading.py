@@ -7,7 +7,9 @@ import logging
 import torch
 
 from specdec.config import DEFAULT_NUMERICS, INT8, ServiceConfig, split_quantization
-from specdec.models.hub import gguf_file, load_hf_model, pick_device, resolve_model_dir
+from specdec.models.checkpoint import checkpoint_files
+from specdec.models.hub import (gguf_file, load_hf_model, pick_device, pick_dtype,
+                                resolve_model_dir)
 from specdec.models.tokenizer import eos_token_ids, fingerprint
 from specdec.serving.arch import ArchConfig
 from specdec.serving.engine import LlamaEngine
@@ -25,19 +27,28 @@ def _set_threads(config: ServiceConfig) -> None:
 
 
 def load_engine(spec: str, device: torch.device, kernels: str = "auto",
-                numerics: str = DEFAULT_NUMERICS):
+                numerics: str = DEFAULT_NUMERICS, dtype: torch.dtype | None = None):
     """(engine, tokenizer, hf_config) for a Hugging Face / GGUF / default / draft-directory
-    model spec, quantized when it says so ("int8:<spec>"), in ``numerics`` (config.NUMERICS)."""
+    model spec, quantized when it says so ("int8:<spec>"), in ``numerics`` (config.NUMERICS)
+    and ``dtype`` (None: the engine's default for the device)."""
     from specdec.models import draft_model
 
     quantize, spec = split_quantization(spec)
     if draft_model.is_draft_dir(spec):
         return draft_model.load_engine(spec, device, kernels, quantize=quantize,
-                                       numerics=numerics)
+                                       numerics=numerics, dtype=dtype)
     check_architecture(spec)  # refuse before reading any weights
-    model, tokenizer = load_hf_model(spec)
+    path = resolve_model_dir(spec)
+    if checkpoint_files(path):  # shard by shard onto the device, in its dtype
+        from transformers import AutoConfig, AutoTokenizer
+
+        engine = LlamaEngine.from_checkpoint(path, device, kernels, quantize=quantize,
+                                             gguf=gguf_file(spec), numerics=numerics,
+                                             dtype=dtype)
+        return engine, AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+    model, tokenizer = load_hf_model(spec)  # (a pytorch_model.bin: transformers reads it)
     engine = LlamaEngine.from_hf(model, device, kernels, quantize=quantize, gguf=gguf_file(spec),
-                                 numerics=numerics)
+                                 numerics=numerics, dtype=dtype)
     return engine, tokenizer, model.config
 
 
@@ -53,7 +64,7 @@ def build_target(config: ServiceConfig) -> TargetRuntime:
     _set_threads(config)
     device = pick_device(config.device)
     engine, tokenizer, hf_config = load_engine(config.model, device, config.kernels,
-                                               config.numerics)
+                                               config.numerics, pick_dtype(config.dtype, device))
     return TargetRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine,
                          tokenizer)
 
@@ -111,7 +122,8 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
         )
         return DraftRuntime(config, info, None, tokenizer=tokenizer)
     device = pick_device(config.device)
-    engine, tokenizer, hf_config = load_engine(spec, device, config.kernels, config.numerics)
+    engine, tokenizer, hf_config = load_engine(spec, device, config.kernels, config.numerics,
+                                               pick_dtype(config.dtype, device))
     return DraftRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine,
                         q_top_k=q_top_k, tokenizer=tokenizer)
 

@@ -11,7 +11,8 @@ import threading
 import time
 from typing import Callable
 
-from specdec.config import DEFAULT_NUMERICS, KERNEL_CHOICES, NUMERICS, ServiceConfig
+from specdec.config import (DEFAULT_DTYPE, DEFAULT_NUMERICS, DTYPES, KERNEL_CHOICES, NUMERICS,
+                            ServiceConfig)
 from specdec.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -59,6 +60,11 @@ def add_service_arguments(parser, default_model: str) -> None:
                              "within rounding) or integer (llama.cpp's int8 dot products: "
                              "every position's logits the same bits in any pass; default "
                              "%(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
+                        help="weights, activations and KV cache: auto (default: bfloat16 on "
+                             "CUDA, float32 on CPU, where specdec's kernels are float32), "
+                             "float32, bfloat16 or float16; logits, sampling and acceptance are "
+                             "float32 whatever it is")
     parser.add_argument("--no-calibrate", action="store_true")
     parser.add_argument("--tls-cert")
     parser.add_argument("--tls-key")
@@ -75,7 +81,7 @@ def service_config_from_args(args, role: str) -> ServiceConfig:
             max_batch=args.max_batch, batch_wait_ms=args.batch_wait_ms,
             regroup_ms=args.regroup_ms,
             prefill_chunk=args.prefill_chunk, prefill_share=args.prefill_share,
-            kernels=args.kernels, numerics=args.numerics,
+            kernels=args.kernels, numerics=args.numerics, dtype=args.dtype,
             calibrate=not args.no_calibrate, tls_cert=args.tls_cert, tls_key=args.tls_key,
             tls_client_ca=args.tls_client_ca,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -273,44 +274,66 @@ def _family_extras(config, mt: str) -> dict:
     return extra
 
 
-def canonical_weights(state: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face state dict -> the engine's names (q/k/v and gate/up fused).
+class Part(NamedTuple):
+    """One engine weight as a checkpoint holds it: the Hugging Face tensors concatenated (in
+    order, along rows) to make it, and whether it is an RMSNorm's scale."""
+
+    sources: tuple[str, ...]
+    norm: bool = False
+
+
+def canonical_layout(arch: ArchConfig, names) -> dict[str, Part]:
+    """The engine's weight names -> the Hugging Face names they are made of, for a checkpoint
+    holding ``names`` (a set): q/k/v and gate/up fused, the head the embedding where untied.
 
     Optional names, present only for the architectures that have them: ``bqkv``, ``bo``,
     ``b_gate_up``, ``b_down`` (biases), ``q_norm`` / ``k_norm`` (per-head norms),
-    ``post_attn_norm`` / ``post_mlp_norm`` (Gemma 2/3). Gemma's RMSNorm scales by (1 + w),
-    computed here once in float32 as transformers computes it on every call.
-    """
-    def norm(name: str) -> torch.Tensor:
-        w = state[name]
-        return 1.0 + w.float() if arch.norm_plus_one else w
+    ``post_attn_norm`` / ``post_mlp_norm`` (Gemma 2/3)."""
+    def opt(*sources: str) -> Part | None:
+        return Part(sources) if sources[0] in names else None
 
-    def cat(names: list[str]) -> torch.Tensor | None:
-        return torch.cat([state[n] for n in names]) if names[0] in state else None
-
-    out = {"embed": state["model.embed_tokens.weight"], "norm": norm("model.norm.weight")}
-    out["head"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    # A tied model's file may hold only one of the two (safetensors' save_model keeps one).
+    out = {"embed": Part((embed if embed in names or head not in names else head,)),
+           "norm": Part(("model.norm.weight",), True),
+           "head": Part((head if head in names else embed,))}
     for i in range(arch.num_layers):
         p, a, m = f"model.layers.{i}.", f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         q = f"layers.{i}."
-        out[q + "attn_norm"] = norm(p + "input_layernorm.weight")
+        out[q + "attn_norm"] = Part((p + "input_layernorm.weight",), True)
         if arch.sandwich_norms:  # Gemma 2/3 name its norms after what they follow
-            out[q + "post_attn_norm"] = norm(p + "post_attention_layernorm.weight")
-            out[q + "mlp_norm"] = norm(p + "pre_feedforward_layernorm.weight")
-            out[q + "post_mlp_norm"] = norm(p + "post_feedforward_layernorm.weight")
+            out[q + "post_attn_norm"] = Part((p + "post_attention_layernorm.weight",), True)
+            out[q + "mlp_norm"] = Part((p + "pre_feedforward_layernorm.weight",), True)
+            out[q + "post_mlp_norm"] = Part((p + "post_feedforward_layernorm.weight",), True)
         else:
-            out[q + "mlp_norm"] = norm(p + "post_attention_layernorm.weight")
-        out[q + "wqkv"] = cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
-        out[q + "wo"] = state[a + "o_proj.weight"]
-        out[q + "w_gate_up"] = cat([m + "gate_proj.weight", m + "up_proj.weight"])
-        out[q + "w_down"] = state[m + "down_proj.weight"]
+            out[q + "mlp_norm"] = Part((p + "post_attention_layernorm.weight",), True)
+        out[q + "wqkv"] = Part((a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"))
+        out[q + "wo"] = Part((a + "o_proj.weight",))
+        out[q + "w_gate_up"] = Part((m + "gate_proj.weight", m + "up_proj.weight"))
+        out[q + "w_down"] = Part((m + "down_proj.weight",))
         optional = {
-            "bqkv": cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
-            "bo": state.get(a + "o_proj.bias"),
-            "b_gate_up": cat([m + "gate_proj.bias", m + "up_proj.bias"]),
-            "b_down": state.get(m + "down_proj.bias"),
+            "bqkv": opt(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+            "bo": opt(a + "o_proj.bias"),
+            "b_gate_up": opt(m + "gate_proj.bias", m + "up_proj.bias"),
+            "b_down": opt(m + "down_proj.bias"),
         }
         if arch.qk_norm:
-            optional.update(q_norm=norm(a + "q_norm.weight"), k_norm=norm(a + "k_norm.weight"))
+            optional.update(q_norm=Part((a + "q_norm.weight",), True),
+                            k_norm=Part((a + "k_norm.weight",), True))
         out.update({q + k: v for k, v in optional.items() if v is not None})
     return out
+
+
+def assemble(part: Part, tensors: list[torch.Tensor], arch: ArchConfig) -> torch.Tensor:
+    """One engine weight from its sources' tensors (``canonical_layout``). Gemma's RMSNorm
+    scales by (1 + w), computed here once in float32 as transformers computes it on every
+    call; a single source is returned as it is (no copy: a tied head is the embedding)."""
+    if part.norm and arch.norm_plus_one:
+        return 1.0 + tensors[0].float()
+    return torch.cat(tensors) if len(tensors) > 1 else tensors[0]
+
+
+def canonical_weights(state: dict[str, torch.Tensor], arch: ArchConfig) -> dict[str, torch.Tensor]:
+    """Hugging Face state dict -> the engine's names (``canonical_layout``, ``assemble``)."""
+    return {name: assemble(part, [state[n] for n in part.sources], arch)
+            for name, part in canonical_layout(arch, set(state)).items()}

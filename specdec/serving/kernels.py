@@ -424,9 +424,9 @@ class Int8Linear:
     a target may not. What it buys is weight bytes: on CPU the product is smallm's int8 variant
     (``sd_linear_q8``: the packed int8 panels streamed once for up to 8 rows, converted to
     float in registers, activations and sums in float32), a quarter of the fp32 weight's bytes
-    on a memory-bound core. Where smallm cannot run (GPUs, no C compiler, neither AVX-512 nor
-    AVX2) the weight is dequantized once and the product is F.linear: the same quantized
-    model, without the speed.
+    on a memory-bound core. Where smallm cannot run (GPUs, dtypes other than float32, no C
+    compiler, neither AVX-512 nor AVX2) the weight is dequantized once and the product is
+    F.linear: the same quantized model, without the speed.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -437,7 +437,7 @@ class Int8Linear:
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         self.panels: torch.Tensor | None = None
         self.plain: torch.Tensor | None = None
-        if smallm_available(weight.device):
+        if smallm_available(weight.device) and weight.dtype == torch.float32:
             self.lib, self.panel = smallm_library()
             self.panels = pack_panels(q, self.panel)
             self.scale = scale.contiguous()
@@ -482,7 +482,11 @@ def choose_kernels(plan: KernelPlan, linears: list[Linear], forward_ms: Callable
 
 
 def timed(fn: Callable[[], object]) -> float:
-    """Milliseconds ``fn()`` took."""
+    """Milliseconds ``fn()`` took, its CUDA work included (kernels launch asynchronously: without
+    the synchronisation a GPU forward would time its launches alone)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     return (time.perf_counter() - t0) * 1000.0

@@ -49,7 +49,8 @@ def penalize(logits: torch.Tensor, params: SamplingParams, context: list[int],
         return logits
     n, vocab = logits.shape
     logits = logits.float().clone()
-    seq = torch.tensor(list(context) + list(continuation), dtype=torch.long)
+    seq = torch.tensor(list(context) + list(continuation), dtype=torch.long,
+                       device=logits.device)  # (where the logits are: a GPU's or the CPU)
     base = len(context)
     start = min(params.prompt_len, base)
     for i in range(n):
@@ -74,7 +75,7 @@ def bias_logits(logits: torch.Tensor, params: SamplingParams, vocab_size: int,
     the column is the id). Returns new logits; unchanged without a bias."""
     if not params.logit_bias:
         return logits
-    dense = torch.zeros(vocab_size, dtype=torch.float32)  # [vocab]
+    dense = torch.zeros(vocab_size, dtype=torch.float32)  # [vocab], on the host: filled per id
     for token, bias in params.logit_bias:
         if token < vocab_size:  # ids past the vocabulary have no logit to move
             dense[token] = bias
