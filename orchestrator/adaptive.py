@@ -149,11 +149,14 @@ class KController:
                  pipelined: bool = False, prior_a: float = PRIOR_A,
                  prior_weight: float = PRIOR_WEIGHT, decay: float = ACCEPTANCE_DECAY,
                  k_max: int = ADAPTIVE_K_MAX, costs: Costs | None = None,
-                 pool: Acceptance | None = None, running: Callable[[], int] | None = None):
+                 pool: Acceptance | None = None, running: Callable[[], int] | None = None,
+                 branching: bool = False):
         """``pool``: the acceptance of the orchestrator's recent generations, told what this
         one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` while others
         run). ``running``: how many generations the orchestrator runs now, this one included
-        (the target's batch as the calls show it lags a few rounds behind)."""
+        (the target's batch as the calls show it lags a few rounds behind). ``branching``:
+        pipelined rounds draft the speculation cache behind each verify (k is costed with its
+        hit rate)."""
         self.fixed_k = fixed_k
         self.running = running
         self.pipelined = pipelined
@@ -164,7 +167,7 @@ class KController:
         self.probes = Probes(self.costs)
         # The speculation cache (pipelined rounds with branches): the share of verdicts it had
         # a branch for, and its current width (candidates per acceptance length).
-        self.branching = False
+        self.branching = branching
         self.hits = Decayed(CACHE_HIT_PRIOR, decay)
         self.width = 1
         # The draft's single guess behind a verify (plain pipelining, or ``drafts_guess``):
@@ -209,6 +212,10 @@ class KController:
     def probe_due(self) -> float:
         """Rounds at k = 0 before the next probe."""
         return self.probes.wait()
+
+    def use_width(self, width: int) -> None:
+        """The speculation cache's width behind the verify in flight (BranchWidth.choose)."""
+        self.width = width
 
     def observe_cache(self, hit: bool) -> None:
         """Record a pipelined round's verdict: did the speculation cache hold its branch?"""

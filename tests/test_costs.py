@@ -318,6 +318,7 @@ def test_rejection_sampled_requests_keep_the_calibrated_costs():
     class Info:
         forward_ms = CURVE
         vocab_size = 0  # unknown (as a service that does not say): the tokenizer's
+        drafter = "model"
 
     class Client:
         info = Info()
@@ -423,6 +424,7 @@ def test_a_generation_starting_under_load_starts_its_lookups_from_what_recent_on
     class Info:
         forward_ms = CURVE
         vocab_size = 0  # unknown (as a service that does not say): the tokenizer's
+        drafter = "model"
 
     class Client:
         info = Info()
