@@ -152,8 +152,8 @@ class SpecdecSystems:
                 if draft_key is not None and draft_key not in self.processes:
                     continue
                 d = via(self.processes[draft_key].address, rtt) if draft_key else None
-                orch = self.loop.run_until_complete(connect(t, d, tokenizer_spec=self.target_spec))
-                orch.shared_cores = not self.split  # see Orchestrator
+                orch = self.loop.run_until_complete(connect(  # shared_cores: see Orchestrator
+                    t, d, tokenizer_spec=self.target_spec, shared_cores=not self.split))
                 self.orchestrators[(name, rtt)] = orch
 
     @property

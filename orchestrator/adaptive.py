@@ -150,14 +150,16 @@ class KController:
                  prior_weight: float = PRIOR_WEIGHT, decay: float = ACCEPTANCE_DECAY,
                  k_max: int = ADAPTIVE_K_MAX, costs: Costs | None = None,
                  pool: Acceptance | None = None, running: Callable[[], int] | None = None,
-                 branching: bool = False):
+                 branching: bool = False, drafter_invariant: bool = False):
         """``pool``: the acceptance of the orchestrator's recent generations, told what this
         one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` while others
         run). ``running``: how many generations the orchestrator runs now, this one included
         (the target's batch as the calls show it lags a few rounds behind). ``branching``:
         pipelined rounds draft the speculation cache behind each verify (k is costed with its
-        hit rate)."""
+        hit rate). ``drafter_invariant``: k cannot change the text (SamplingParams), so load
+        may change k."""
         self.fixed_k = fixed_k
+        self.drafter_invariant = drafter_invariant
         self.running = running
         self.pipelined = pipelined
         self.k_max = min(k_max, max(len(target_ms) - 1, 1)) if target_ms else k_max
@@ -191,6 +193,17 @@ class KController:
     @property
     def backoff(self) -> int:
         return self.probes.backoff
+
+    def crowded(self, active: int, shared_cores: bool) -> bool:
+        """Whether this generation should draft nothing because ``active`` generations (this
+        one included) share the cores: where the draft shares the target's cores, concurrent
+        generations keep both services busy at once, so the draft's passes take the cores the
+        target's batched verify needs and a drafted token costs verify throughput instead of
+        hiding behind it (measured on 2 cores, every core per service, 48 tokens per request:
+        sequential rounds 0.64x and pipelined 0.29x target-only's aggregate tok/s at N = 8).
+        The target batches the sessions' single-token rounds instead. Only adaptive k on
+        requests whose text k cannot change."""
+        return shared_cores and active > 1 and self.fixed_k is None and self.drafter_invariant
 
     def observe(self, k: int, accepted: int) -> None:
         """Record a round: k drafted, ``accepted`` of them kept (k = 0: a target-only step)."""

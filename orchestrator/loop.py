@@ -70,7 +70,9 @@ class Orchestrator:
     """Drives generations over one draft client (optional) and one target client."""
 
     def __init__(self, target: TargetClient, draft: DraftClient | None, tokenizer,
-                 eos_ids: list[int], max_context: int):
+                 eos_ids: list[int], max_context: int, shared_cores: bool = False):
+        """``shared_cores``: the draft shares the target's cores (local services specdec
+        starts on one machine)."""
         self.target = target
         self.draft = draft
         self.tokenizer = tokenizer
@@ -79,11 +81,10 @@ class Orchestrator:
         # What rounds cost as the calls show it, shared by this orchestrator's generations;
         # None: greedy requests too use the services' start-up calibration.
         self.live_costs: LiveCosts | None = self._calibrated_costs(LiveCosts)
-        # Whether the draft shares the target's cores (local services specdec starts on one
-        # machine). Then the speculation cache is off (its branches slow the verify pass: the
-        # bench measured 9.2 tok/s with it against 21.0 without), and adaptive k drafts only
-        # while one generation runs (see Planner.crowded).
-        self.shared_cores = False
+        # Where the draft shares the target's cores the speculation cache is off (its branches
+        # slow the verify pass: the bench measured 9.2 tok/s with it against 21.0 without),
+        # and adaptive k drafts only while one generation runs (KController.crowded).
+        self.shared_cores = shared_cores
         self.active = 0  # generations in progress
         # The cache's width control, shared by the generations (what a branch call costs
         # against its prediction carries over from one to the next).
@@ -158,7 +159,8 @@ class Orchestrator:
         return KController(costs.target_ms, [costs.draft_step_ms], fixed_k=req.k,
                            pipelined=pipelined, costs=costs, prior_a=prior,
                            pool=pool, running=lambda: self.active,
-                           branching=pipelined and self._may_branch(req))
+                           branching=pipelined and self._may_branch(req),
+                           drafter_invariant=req.sampling.drafter_invariant)
 
     def _may_branch(self, req: GenerationRequest) -> bool:
         """Whether the request may use the speculation cache: greedy or coupled without

@@ -122,20 +122,11 @@ class Planner:
         return self.k_ctl.next_k(after_full_accept, now)
 
     def crowded(self) -> bool:
-        """Whether other generations share the cores with this one: then it drafts nothing.
-
-        Where the draft shares the target's cores, concurrent generations keep both services
-        busy at once: the draft's passes then take the cores the target's batched verify
-        needs, so a drafted token costs verify throughput instead of hiding behind it
-        (measured on 2 cores, every core per service, 48 tokens per request: sequential
-        rounds 0.64x and pipelined 0.29x target-only's aggregate tok/s at N = 8). Prompt
-        lookup is left out too (its blocks lengthen the batched verify). The target batches
-        the sessions' single-token rounds instead. Only adaptive k on requests whose text k
-        cannot change.
-        """
-        orch = self.orch
-        return orch.shared_cores and orch.active > 1 and self.k_ctl is not None and \
-            self.k_ctl.fixed_k is None and self.req.sampling.drafter_invariant
+        """Whether other generations share the cores with this one (KController.crowded):
+        then it drafts nothing, prompt lookup included (its blocks lengthen the batched
+        verify)."""
+        return self.k_ctl is not None and \
+            self.k_ctl.crowded(self.orch.active, self.orch.shared_cores)
 
     async def draft_block(self, history: History, extra: list[int], k: int,
                           source: Source = Source.DRAFT, warmup: bool = False,

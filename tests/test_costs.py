@@ -546,15 +546,33 @@ def test_on_shared_cores_a_lone_generation_starts_from_what_its_predecessors_saw
     class Client:
         info = Info()
 
-    orch = Orchestrator(Client(), Client(), tokenizer=None, eos_ids=[], max_context=512)
-    for _ in range(40):  # recent generations: a draft that is rarely kept, lookups that miss
-        orch.acceptance.observe(2, 0)
-        orch.lookups.observe(0)
+    def orchestrator(shared_cores: bool) -> Orchestrator:
+        orch = Orchestrator(Client(), Client(), tokenizer=None, eos_ids=[], max_context=512,
+                            shared_cores=shared_cores)
+        for _ in range(40):  # recent generations: a draft rarely kept, lookups that miss
+            orch.acceptance.observe(2, 0)
+            orch.lookups.observe(0)
+        return orch
+
     greedy = GenerationRequest([1], 8)
+    orch = orchestrator(shared_cores=False)
     assert orch._controller(greedy).acceptance == adaptive.PRIOR_A
     assert orch._lookup_sizer(greedy).mean_accepted == adaptive.LOOKUP_PRIOR
-    orch.shared_cores = True
+    orch = orchestrator(shared_cores=True)
     assert orch._controller(greedy).acceptance < 0.1
     assert orch._lookup_sizer(greedy).mean_accepted < 0.1
     rejection = GenerationRequest([1], 8, SamplingParams(temperature=0.8, rule="rejection"))
     assert orch._controller(rejection).acceptance == adaptive.PRIOR_A
+
+
+def test_a_generation_is_crowded_only_on_shared_cores_beside_others_with_adaptive_k():
+    """The controller's veto: no block while other generations share the cores, only where
+    the draft shares the target's, k is adaptive and k cannot change the text."""
+    def ctl(**kw):
+        return KController(FLAT, [1.0], **kw)
+
+    assert ctl(drafter_invariant=True).crowded(active=2, shared_cores=True)
+    assert not ctl(drafter_invariant=True).crowded(active=1, shared_cores=True)
+    assert not ctl(drafter_invariant=True).crowded(active=2, shared_cores=False)
+    assert not ctl(drafter_invariant=True, fixed_k=3).crowded(active=2, shared_cores=True)
+    assert not ctl(drafter_invariant=False).crowded(active=2, shared_cores=True)
