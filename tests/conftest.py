@@ -371,3 +371,38 @@ def scrape(url: str, **kw) -> dict:
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
             out[(s.name, labels)] = s.value
     return out
+
+
+# ---- the cost model's tests (test_costs, test_adaptive_priors) ---------------------------
+# T(m) ms, m = 1..16, as calibrated on a 2-core CPU: flat to m ~ 6, then ~1 ms per token
+CURVE = [30.0, 31, 31, 31, 31, 32, 33, 35, 36, 37, 38, 39, 40, 41, 43, 44]
+
+
+def call_record(service, compute_ms, tokens, sent=1, rpc_extra_ms=2.0, batch=1, outcome="ok",
+                re_prefilled=False, pass_tokens=0, queued_ms=0.0, after_draft=False):
+    """A call of ``compute_ms`` that took ``queued_ms`` (its wait in the service) +
+    ``rpc_extra_ms`` more."""
+    from orchestrator.service_clients import CallRecord
+    return CallRecord(service, 0.0, (compute_ms + queued_ms + rpc_extra_ms) / 1000.0,
+                      compute_ms, tokens, outcome, re_prefilled, batch, sent,
+                      pass_tokens=pass_tokens, queued_ms=queued_ms, after_draft=after_draft)
+
+
+def live_costs():
+    from orchestrator.adaptive import Costs, LiveCosts
+    return LiveCosts(**vars(Costs.calibrated(CURVE, [3.0])))
+
+
+CPU_LINE = [46.0 + 6.0 * m for m in range(16)]
+FLAT = [10.0] * 48 + [10.0 + 0.1 * m for m in range(1, 17)]  # a GPU's: flat to 48
+
+
+def pipelined_controller(curve, batch, cache_hit, draft=(6.0,)):
+    """A pipelined controller with the speculation cache, whose draft's pass over m rows
+    costs draft[m - 1] ms."""
+    from orchestrator.adaptive import Costs, KController
+    costs = Costs.calibrated(curve, list(draft))
+    costs.target_batch = batch
+    ctl = KController(curve, list(draft[:1]), pipelined=True, costs=costs)
+    ctl.branching, ctl.cache_hit = True, cache_hit
+    return ctl
