@@ -406,3 +406,56 @@ def pipelined_controller(curve, batch, cache_hit, draft=(6.0,)):
     ctl = KController(curve, list(draft[:1]), pipelined=True, costs=costs)
     ctl.branching, ctl.cache_hit = True, cache_hit
     return ctl
+
+
+# ---- the HTTP front's tests (test_api, test_api_serving, test_api_logprobs) ---------------
+PROMPT = "What is the capital of France?"
+PROMPTS = [PROMPT, "Write a short poem about the sea.", "List three fruits."]
+
+
+@pytest.fixture(scope="module")
+def host(tiny_services):
+    """Pipelined over the tiny target and a disagreeing draft: rejections and rollbacks."""
+    h = ApiHost(tiny_services["target"].address, tiny_services["draft"].address)
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def api(host) -> str:
+    return host.serve()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from specdec.models.hub import load_tokenizer
+    return load_tokenizer("default")
+
+
+def chat_ids(tok, content: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": content}],
+                                  add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def reference(tiny_models, tok, prompt_ids: list[int], n: int) -> tuple[str, list[int]]:
+    """Target-only greedy text and ids from transformers (stops after EOS)."""
+    ids = hf_greedy(tiny_models["target"], prompt_ids, n)
+    return tok.decode(ids, skip_special_tokens=True), ids
+
+
+def delta(after: dict, before: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+CHAT = "/v1/chat/completions"
+COMPLETE = "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]
