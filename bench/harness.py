@@ -161,9 +161,9 @@ class SpecdecSystems:
                     continue
                 d = via(self.processes[draft_key].address, rtt) if draft_key else None
                 steps = 0 if name == "stepwise" else self.decode_on
-                orch = self.loop.run_until_complete(
-                    connect(t, d, tokenizer_spec=self.target_spec, decode_on=steps))
-                orch.shared_cores = not self.split  # see Orchestrator
+                orch = self.loop.run_until_complete(connect(  # shared_cores: see Orchestrator
+                    t, d, tokenizer_spec=self.target_spec, shared_cores=not self.split,
+                    decode_on=steps))
                 self.orchestrators[(name, rtt)] = orch
 
     @property

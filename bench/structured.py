@@ -218,8 +218,8 @@ def main(argv: list[str] | None = None) -> None:
 
     loop = asyncio.new_event_loop()
     with LocalServices(threads=args.threads) as services:
-        orch = loop.run_until_complete(connect(services.target_addr, services.draft_addr))
-        orch.shared_cores = True  # as specdec serve runs its local pair
+        orch = loop.run_until_complete(connect(  # as specdec serve runs its local pair
+            services.target_addr, services.draft_addr, shared_cores=True))
         try:
             report = loop.run_until_complete(_measure(
                 orch, orch.tokenizer, SCHEMAS[: args.schemas], args.modes, args.max_new))

@@ -150,14 +150,18 @@ class KController:
                  prior_weight: float = PRIOR_WEIGHT, decay: float = ACCEPTANCE_DECAY,
                  k_max: int = ADAPTIVE_K_MAX, costs: Costs | None = None,
                  pool: Acceptance | None = None, running: Callable[[], int] | None = None,
+                 branching: bool = False, drafter_invariant: bool = False,
                  decode_on: int = 0):
         """``pool``: the acceptance of the orchestrator's recent generations, told what this
         one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` while others
         run). ``running``: how many generations the orchestrator runs now, this one included
-        (the target's batch as the calls show it lags a few rounds behind). ``decode_on``:
-        the plain steps the target takes on by itself in a round of no block (its call's own
-        time is then shared by 1 + decode_on tokens)."""
+        (the target's batch as the calls show it lags a few rounds behind). ``branching``:
+        pipelined rounds draft the speculation cache behind each verify (k is costed with its
+        hit rate). ``drafter_invariant``: k cannot change the text (SamplingParams), so load
+        may change k. ``decode_on``: the plain steps the target takes on by itself in a round
+        of no block (its call's own time is then shared by 1 + decode_on tokens)."""
         self.fixed_k = fixed_k
+        self.drafter_invariant = drafter_invariant
         self.decode_on = decode_on
         self.running = running
         self.pipelined = pipelined
@@ -168,7 +172,7 @@ class KController:
         self.probes = Probes(self.costs)
         # The speculation cache (pipelined rounds with branches): the share of verdicts it had
         # a branch for, and its current width (candidates per acceptance length).
-        self.branching = False
+        self.branching = branching
         self.hits = Decayed(CACHE_HIT_PRIOR, decay)
         self.width = 1
         # The draft's single guess behind a verify (plain pipelining, or ``drafts_guess``):
@@ -193,6 +197,17 @@ class KController:
     def backoff(self) -> int:
         return self.probes.backoff
 
+    def crowded(self, active: int, shared_cores: bool) -> bool:
+        """Whether this generation should draft nothing because ``active`` generations (this
+        one included) share the cores: where the draft shares the target's cores, concurrent
+        generations keep both services busy at once, so the draft's passes take the cores the
+        target's batched verify needs and a drafted token costs verify throughput instead of
+        hiding behind it (measured on 2 cores, every core per service, 48 tokens per request:
+        sequential rounds 0.64x and pipelined 0.29x target-only's aggregate tok/s at N = 8).
+        The target batches the sessions' single-token rounds instead. Only adaptive k on
+        requests whose text k cannot change."""
+        return shared_cores and active > 1 and self.fixed_k is None and self.drafter_invariant
+
     def observe(self, k: int, accepted: int) -> None:
         """Record a round: k drafted, ``accepted`` of them kept (k = 0: a target-only step)."""
         if k == 0:
@@ -213,6 +228,10 @@ class KController:
     def probe_due(self) -> float:
         """Rounds at k = 0 before the next probe."""
         return self.probes.wait()
+
+    def use_width(self, width: int) -> None:
+        """The speculation cache's width behind the verify in flight (BranchWidth.choose)."""
+        self.width = width
 
     def observe_cache(self, hit: bool) -> None:
         """Record a pipelined round's verdict: did the speculation cache hold its branch?"""

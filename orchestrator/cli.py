@@ -183,12 +183,11 @@ async def orchestrator_for(args, need_draft: bool = True):
             await asyncio.get_running_loop().run_in_executor(None, local.__enter__)
             target_addr = target_addr or local.target_addr
             draft_addr = draft_addr or local.draft_addr
+        # Services specdec started here share this machine's cores with each other.
         orch = await connect(target_addr, draft_addr if want_draft else None,
                              target_deadline_s=args.target_deadline_s,
                              tokenizer_spec=args.tokenizer or args.target, tls=tls,
-                             decode_on=args.decode_on)
-        # Services specdec started here share this machine's cores with each other.
-        orch.shared_cores = start_local
+                             shared_cores=start_local, decode_on=args.decode_on)
         if local is not None:  # restart a service that dies, and tell the orchestrator
             loop = asyncio.get_running_loop()
             local.supervise(lambda role, event, detail: loop.call_soon_threadsafe(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import uuid
 
 from orchestrator.service_clients import CallRecord
@@ -52,6 +53,15 @@ class GenerationRequest:
         if not self.request_id:
             self.request_id = uuid.uuid4().hex[:16]
 
+class Source(enum.Enum):
+    """Where a round's block came from."""
+
+    DRAFT = "draft"  # the draft model drafted it this round
+    PIPELINED = "pipelined"  # ... during the previous round's verify
+    LOOKUP = "lookup"  # prompt lookup
+    FIRST = "first"  # the first round: empty, the draft prefills (and drafts behind it)
+    NONE = "none"  # no block: k = 0, or the draft was down or failed
+    CROWDED = "crowded"  # no block: other generations share the cores (KController.crowded)
 
 
 @dataclasses.dataclass
@@ -61,10 +71,7 @@ class Block:
 
     tokens: list[int]
     dists: list = dataclasses.field(default_factory=list)
-    # draft (drafted this round) | pipelined (drafted during the previous verify) | lookup
-    # (prompt lookup) | first (the pipelined first round: empty, the draft drafts behind it)
-    # | none (no block: k = 0, or the draft was down or failed)
-    source: str = "draft"
+    source: Source = Source.DRAFT
     k: int = 0
     draft_failed: bool = False
 
@@ -73,6 +80,22 @@ class Block:
         if len(self.tokens) <= k:
             return self
         return dataclasses.replace(self, tokens=self.tokens[:k], dists=self.dists[:k])
+
+
+@dataclasses.dataclass
+class Behind:
+    """What the draft drafted behind a round's verify pass (pipelined), and what its verdict
+    found of it."""
+
+    guess_call: bool  # the single guess and the block past it, not speculation-cache branches
+    judged: bool = False  # the verdict looked for its block (not the generation's last round)
+    hit: bool = False  # it held the verdict's next block
+    branches: int = 0  # speculation-cache branches it drafted
+    late: bool = False  # a branch call still unanswered at the verdict, dropped
+
+    @property
+    def cache_hit(self) -> bool:
+        return self.hit and not self.guess_call
 
 
 @dataclasses.dataclass
@@ -85,6 +108,8 @@ class Round:
     decoded: list[int] = dataclasses.field(default_factory=list)  # decoded on after next_token
     logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)  # per token
     prompt_logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
+    committed_s: float = 0.0  # since the generation started, when its tokens were committed
+    behind: Behind | None = None  # pipelined: the draft's call behind this verify, if any
 
     @property
     def tokens(self) -> list[int]:
@@ -118,7 +143,7 @@ class GenerationStats:
     late_branch_calls: int = 0  # branch calls dropped unanswered at their verdict (under load)
     re_prefills: int = 0
     tokens_without_draft: int = 0  # emitted while the draft was down or failing
-    crowded_rounds: int = 0  # no draft: other generations shared the cores (loop._Drafting)
+    crowded_rounds: int = 0  # no draft: other generations shared the cores (Source.CROWDED)
     decoded_tokens: int = 0  # emitted by the target decoding on after a round with no block
     draft_failures: int = 0
     wall_s: float = 0.0
@@ -126,9 +151,12 @@ class GenerationStats:
     calls: list[CallRecord] = dataclasses.field(default_factory=list)
 
     def record(self, rnd: Round) -> None:
-        """Count one round (every per-round statistic is counted here and only here)."""
+        """Count one finished round (every per-round statistic is counted here and only here;
+        ``calls`` and ``draft_failures`` as they happen)."""
         n = len(rnd.block.tokens)
         self.rounds += 1
+        if self.rounds == 1:
+            self.ttft_s = rnd.committed_s
         self.k_requested.append(rnd.block.k)
         self.rounds_per_k[n] = self.rounds_per_k.get(n, 0) + 1
         self.draft_tokens += n
@@ -141,11 +169,27 @@ class GenerationStats:
         if rnd.block.draft_failed:  # the draft was down or failed: this round's tokens came alone
             self.tokens_without_draft += len(rnd.tokens)
         self.decoded_tokens += len(rnd.decoded)
-        self.crowded_rounds += rnd.block.source == "crowded"
-        if rnd.block.source == "lookup":
+        self.crowded_rounds += rnd.block.source is Source.CROWDED
+        if rnd.block.source is Source.LOOKUP:
             self.lookup_rounds += 1
             self.lookup_drafted += n
             self.lookup_accepted += rnd.accepted
+        if rnd.behind is not None:
+            self._record_behind(rnd.behind)
+
+    def _record_behind(self, behind: Behind) -> None:
+        self.guess_calls += behind.guess_call
+        self.branches_drafted += behind.branches
+        self.late_branch_calls += behind.late
+        if behind.judged:
+            self.pipeline_hits += behind.hit
+            self.pipeline_misses += not behind.hit
+            self.cache_hits += behind.cache_hit
+
+    def finish(self, wall_s: float) -> None:
+        """The generation ended after ``wall_s``: what its calls add up to."""
+        self.wall_s = wall_s
+        self.re_prefills = sum(c.re_prefilled for c in self.calls)
 
     @property
     def acceptance_rate(self) -> float:
@@ -276,11 +320,4 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
-
-
-def _token_logprobs(tokens: list[int], entries) -> list[TokenLogprob]:
-    """TokenLogprobs of a VerifyResponse (wire) as TokenLogprob, one per token."""
-    return [TokenLogprob(t, e.logprob, list(zip(e.top_ids, e.top_logprobs)))
-            for t, e in zip(tokens, entries)]
-
 

@@ -37,11 +37,13 @@ def check_pair(target_info, draft_info, tokenizer_fp: str | None = None) -> None
 async def connect(target_addr: str, draft_addr: str | None, tokenizer_spec: str = "default",
                   tls: dict | None = None, timeout_s: float = 30.0,
                   ready_timeout_s: float = 600.0, tokenizer=None,
-                  target_deadline_s: float = 0.0, decode_on: int = DECODE_ON) -> Orchestrator:
+                  target_deadline_s: float = 0.0, shared_cores: bool = False,
+                  decode_on: int = DECODE_ON) -> Orchestrator:
     """Wait for both services, check the pair, and return an Orchestrator over them.
 
     ``target_deadline_s``: how long a generation waits for a target that is down (dead,
     restarting, reloading) to come back before it fails with UNAVAILABLE (0: at once).
+    ``shared_cores``: the two services share this machine's cores (see Orchestrator).
     ``decode_on``: plain steps the target takes on by itself in a round with no block
     (0: one round trip per such token).
     """
@@ -63,7 +65,8 @@ async def connect(target_addr: str, draft_addr: str | None, tokenizer_spec: str 
             await draft.close()
         raise
     return Orchestrator(target, draft, tokenizer, list(target.info.eos_token_ids),
-                        int(target.info.max_context), decode_on=decode_on)
+                        int(target.info.max_context), shared_cores=shared_cores,
+                        decode_on=decode_on)
 
 
 async def close(orch: Orchestrator) -> None:

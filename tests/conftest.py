@@ -375,3 +375,91 @@ def scrape(url: str, **kw) -> dict:
             labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
             out[(s.name, labels)] = s.value
     return out
+
+
+# ---- the cost model's tests (test_costs, test_adaptive_priors) ---------------------------
+# T(m) ms, m = 1..16, as calibrated on a 2-core CPU: flat to m ~ 6, then ~1 ms per token
+CURVE = [30.0, 31, 31, 31, 31, 32, 33, 35, 36, 37, 38, 39, 40, 41, 43, 44]
+
+
+def call_record(service, compute_ms, tokens, sent=1, rpc_extra_ms=2.0, batch=1, outcome="ok",
+                re_prefilled=False, pass_tokens=0, queued_ms=0.0, after_draft=False):
+    """A call of ``compute_ms`` that took ``queued_ms`` (its wait in the service) +
+    ``rpc_extra_ms`` more."""
+    from orchestrator.service_clients import CallRecord
+    return CallRecord(service, 0.0, (compute_ms + queued_ms + rpc_extra_ms) / 1000.0,
+                      compute_ms, tokens, outcome, re_prefilled, batch, sent,
+                      pass_tokens=pass_tokens, queued_ms=queued_ms, after_draft=after_draft)
+
+
+def live_costs():
+    from orchestrator.adaptive import Costs, LiveCosts
+    return LiveCosts(**vars(Costs.calibrated(CURVE, [3.0])))
+
+
+CPU_LINE = [46.0 + 6.0 * m for m in range(16)]
+FLAT = [10.0] * 48 + [10.0 + 0.1 * m for m in range(1, 17)]  # a GPU's: flat to 48
+
+
+def pipelined_controller(curve, batch, cache_hit, draft=(6.0,)):
+    """A pipelined controller with the speculation cache, whose draft's pass over m rows
+    costs draft[m - 1] ms."""
+    from orchestrator.adaptive import Costs, KController
+    costs = Costs.calibrated(curve, list(draft))
+    costs.target_batch = batch
+    ctl = KController(curve, list(draft[:1]), pipelined=True, costs=costs)
+    ctl.branching, ctl.cache_hit = True, cache_hit
+    return ctl
+
+
+# ---- the HTTP front's tests (test_api, test_api_serving, test_api_logprobs) ---------------
+PROMPT = "What is the capital of France?"
+PROMPTS = [PROMPT, "Write a short poem about the sea.", "List three fruits."]
+
+
+@pytest.fixture(scope="module")
+def host(tiny_services):
+    """Pipelined over the tiny target and a disagreeing draft: rejections and rollbacks."""
+    h = ApiHost(tiny_services["target"].address, tiny_services["draft"].address)
+    yield h
+    h.stop()
+
+
+@pytest.fixture(scope="module")
+def api(host) -> str:
+    return host.serve()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from specdec.models.hub import load_tokenizer
+    return load_tokenizer("default")
+
+
+def chat_ids(tok, content: str) -> list[int]:
+    ids = tok.apply_chat_template([{"role": "user", "content": content}],
+                                  add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def reference(tiny_models, tok, prompt_ids: list[int], n: int) -> tuple[str, list[int]]:
+    """Target-only greedy text and ids from transformers (stops after EOS)."""
+    ids = hf_greedy(tiny_models["target"], prompt_ids, n)
+    return tok.decode(ids, skip_special_tokens=True), ids
+
+
+def delta(after: dict, before: dict, name: str, **labels) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def wait_for(predicate, timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+CHAT = "/v1/chat/completions"
+COMPLETE = "/v1/completions"
+MSGS = [{"role": "user", "content": "hi"}]

@@ -156,8 +156,9 @@ def generate(mode: str, k: int | None = None, draft=None, target=None, max_new: 
     target = target or FakeTarget()
     target.prompt_len = len(prompt)
     draft = draft if draft is not None else FakeDraft()
-    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
-    orch.shared_cores = shared_cores  # what orchestrator_for sets for local services
+    # shared_cores: what orchestrator_for gives for local services
+    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024,
+                        shared_cores=shared_cores)
     req = GenerationRequest(list(prompt), max_new, SamplingParams(), [], mode, k,
                             prompt_lookup=False, branches=branches)
     return asyncio.run(orch.generate(req))
@@ -326,8 +327,9 @@ def test_the_cache_width_follows_the_costs_and_narrows_when_calls_run_long():
 def test_the_cache_is_off_where_the_orchestrator_says_the_draft_shares_the_cores():
     target, draft = FakeTarget(), FakeDraft(wrong_every=3)
     target.prompt_len = 3
-    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
-    orch.shared_cores = True  # what orchestrator_for sets for local services
+    # what orchestrator_for gives for local services
+    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024,
+                        shared_cores=True)
     req = GenerationRequest([5, 11, 23], 60, SamplingParams(), [], "pipelined", 3,
                             prompt_lookup=False)
     result = asyncio.run(orch.generate(req))
@@ -349,8 +351,8 @@ def test_generations_sharing_the_cores_draft_only_while_alone(shared):
     target, draft = FakeTarget(), FakeDraft(wrong_every=5)
     target.prompt_len = 3
     target.compute_ms = 10.0  # as calibrated: a verify costs 10x a draft step
-    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024)
-    orch.shared_cores = shared
+    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024,
+                        shared_cores=shared)
 
     def req(n, **kw):
         return GenerationRequest([5, 11, 23], n, SamplingParams(**kw), [], "spec", None,

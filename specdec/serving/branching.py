@@ -24,12 +24,12 @@ import numpy as np
 import torch
 
 from specdec.config import MAX_K, SamplingParams
-from specdec.serving.drafting import checked_tokens
+from specdec.serving.drafting import checked_tokens, draft_sampling
 from specdec.serving.engine import KVCache, LlamaEngine
-from specdec.serving.grammar import GrammarState, Grammars, mask_logits, session_grammar
+from specdec.serving.grammar import GrammarState, Grammars, mask_logits
 from specdec.serving.sampling import bias_logits, coupling_noise, process_logits
-from specdec.serving.scheduler import Piece
-from specdec.serving.session import SessionStore, resolve
+from specdec.serving.scheduler import Piece, Work
+from specdec.serving.session import SessionStore
 
 MAX_BRANCHES = 64  # (k + 1) * width per call
 
@@ -104,29 +104,16 @@ def ranked(logits: torch.Tensor, sampling: SamplingParams, q_params: SamplingPar
     return [i for i in order if i != exclude][:n]
 
 
-class BranchWork:
+class BranchWork(Work):
     """One branch call as scheduler work: feed the history's last token and the block (rows
     for every verdict), fork a cache per branch, then one ragged pass per drafted token over
     all branches (``next_piece`` returns a list of pieces)."""
 
     def __init__(self, call: BranchCall, engine: LlamaEngine, store: SessionStore,
                  q_top_k: int = 64, grammars: Grammars | None = None):
-        self.call = call
-        self.grammars = grammars
-        self.session_id = call.session_id
-        self.engine = engine
-        self.store = store
+        super().__init__(call, engine, store, grammars)
         self._target_ids = None if engine.vocab_map is None else engine.vocab_map.cpu().numpy()
-        s = call.sampling
-        top_k = min(s.top_k, q_top_k) if s.top_k and q_top_k else (s.top_k or q_top_k)
-        self._q_params = SamplingParams(s.temperature, top_k, s.top_p, s.seed)
-        self.cancelled = False
-        self.compute_s = 0.0
-        self.batch_size = 0
-        self.pass_tokens = 0
-        self.queued_s = 0.0
-        self._fed = 0
-        self._piece_len = 0
+        self._q_params = draft_sampling(call.sampling, q_top_k)
         self.branches: list[Branch] = []
         self._active: list[Branch] = []
         self.depth = call.depth  # cut at the context's end in start()
@@ -138,12 +125,8 @@ class BranchWork:
         return c.prefix_len + len(c.tokens) - c.block_len
 
     def start(self) -> None:
+        super().start()
         c = self.call
-        self.session = resolve(self.store, c.session_id, c.prefix_len, c.prefix_hash,
-                               self.engine.new_cache)
-        self.session.request_id = c.request_id or self.session.request_id
-        self.grammar = session_grammar(self.session, self.grammars, c.sampling.grammar,
-                                       c.sampling.prompt_len)
         max_ctx = self.engine.arch.max_context
         if c.prefix_len + len(c.tokens) >= max_ctx:
             raise ValueError(f"sequence exceeds the draft's context of {max_ctx}")

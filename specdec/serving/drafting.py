@@ -22,7 +22,7 @@ from specdec.serving.sampling import (
     process_logits,
     sample,
 )
-from specdec.serving.scheduler import Piece
+from specdec.serving.scheduler import Piece, Work
 from specdec.serving.session import SessionStore, resolve
 
 
@@ -72,7 +72,16 @@ class Proposal:
     cache_len: int
 
 
-class DraftWork:
+def draft_sampling(sampling: SamplingParams, q_top_k: int) -> SamplingParams:
+    """What the draft samples from (and sends as q under the rejection rule): the request's
+    temperature, top-k and top-p, its top-k cut to the draft's ``q_top_k`` (0: uncut)."""
+    if sampling.greedy or not q_top_k:
+        return sampling
+    top_k = min(sampling.top_k, q_top_k) if sampling.top_k else q_top_k
+    return SamplingParams(sampling.temperature, top_k, sampling.top_p, sampling.seed)
+
+
+class DraftWork(Work):
     """One propose call as scheduler work: prefill chunks, then one pass per drafted token.
 
     Sampled tokens come from the draft's processed distribution truncated to its ``q_top_k``
@@ -86,38 +95,17 @@ class DraftWork:
         self, call: ProposeCall, engine: LlamaEngine, store: SessionStore, q_top_k: int = 64,
         grammars: Grammars | None = None,
     ):
-        self.call = call
-        self.grammars = grammars
-        self.session_id = call.session_id
-        self.engine = engine
-        self.store = store
+        super().__init__(call, engine, store, grammars)
         self.q_top_k = q_top_k
         # the target id of each output index when the head is reduced (coupled noise is per id)
         self._target_ids = None if engine.vocab_map is None else engine.vocab_map.cpu().numpy()
-        self.cancelled = False
-        self.compute_s = 0.0
-        self.batch_size = 0
-        self.pass_tokens = 0
-        self.queued_s = 0.0
-        self._fed = 0
-        self._piece_len = 0
         self.drafted: list[int] = []
         self.dists: list[tuple[list[int], list[float]]] = []
-        if not call.sampling.greedy and q_top_k:
-            s = call.sampling
-            top_k = min(s.top_k, q_top_k) if s.top_k else q_top_k
-            self._q_params = SamplingParams(s.temperature, top_k, s.top_p, s.seed)
-        else:
-            self._q_params = call.sampling
+        self._q_params = draft_sampling(call.sampling, q_top_k)
 
     def start(self) -> None:
+        super().start()
         c = self.call
-        self.session = resolve(
-            self.store, c.session_id, c.prefix_len, c.prefix_hash, self.engine.new_cache
-        )
-        self.session.request_id = c.request_id or self.session.request_id
-        self.grammar = session_grammar(self.session, self.grammars, c.sampling.grammar,
-                                       c.sampling.prompt_len)
         max_ctx = self.engine.arch.max_context
         if c.prefix_len + len(c.tokens) >= max_ctx:
             raise ValueError(f"sequence exceeds the draft's context of {max_ctx}")

@@ -23,11 +23,13 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
 from specdec.serving.engine import KVCache, LlamaEngine
+from specdec.serving.grammar import Grammars, session_grammar
+from specdec.serving.session import SessionStore, resolve
 
 log = logging.getLogger(__name__)
 
@@ -44,16 +46,36 @@ class Piece:
     prefill: bool  # a prompt chunk (budgeted) rather than a decoding step
 
 
-class Work(Protocol):
-    session_id: str
-    cancelled: bool
-    compute_s: float  # time of the passes this work took part in (set by the scheduler)
-    batch_size: int  # sessions in the last pass it took part in
-    pass_tokens: int  # new tokens of every session in that pass
-    queued_s: float  # from submission to the start of its first pass (set by the scheduler)
+class Work:
+    """One call (verify, propose, branches) as scheduler work, and the bookkeeping every kind
+    shares. ``call`` has the session's id, ``prefix_len``, ``prefix_hash``, ``request_id``
+    and ``sampling``."""
+
+    def __init__(self, call, engine: LlamaEngine, store: SessionStore,
+                 grammars: Grammars | None = None):
+        self.call = call
+        self.session_id = call.session_id
+        self.engine = engine
+        self.store = store
+        self.grammars = grammars
+        self.cancelled = False
+        self.compute_s = 0.0  # time of the passes this work took part in (set by the scheduler)
+        self.batch_size = 0  # sessions in the last pass it took part in
+        self.pass_tokens = 0  # new tokens of every session in that pass
+        self.queued_s = 0.0  # from submission to the start of its first pass (set by the scheduler)
+        self._fed = 0  # tokens of the call already fed to the model
+        self._piece_len = 0  # tokens of the last piece given
 
     def start(self) -> None:
-        """Resolve the session and check the call (raises to fail the call)."""
+        """Resolve the session and check the call (raises to fail the call). Subclasses check
+        their call's lengths after this."""
+        c = self.call
+        self.session = resolve(self.store, c.session_id, c.prefix_len, c.prefix_hash,
+                               self.engine.new_cache)
+        self.session.request_id = c.request_id or self.session.request_id
+        # compiled (or found in the cache) before any pass: a bad grammar fails this call alone
+        self.grammar = session_grammar(self.session, self.grammars, c.sampling.grammar,
+                                       c.sampling.prompt_len)
 
     def next_piece(self, budget: int) -> Piece | list[Piece] | None:
         """The next piece, at most ``budget`` tokens if it is prefill; None = wait a pass. A
@@ -62,13 +84,16 @@ class Work(Protocol):
 
         May be asked more than once per pass; only the last piece given is the one consumed.
         """
+        raise NotImplementedError
 
     def consume(self, logits: torch.Tensor | list[torch.Tensor]) -> bool:
         """Take the piece's logits [num_logits, vocab_out] (a list, one per piece, when
         next_piece gave a list); return True when the work is done."""
+        raise NotImplementedError
 
     def result(self):
         """The call's answer, once done."""
+        raise NotImplementedError
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ import torch
 from specdec.config import MAX_DECODE_ON, MAX_K, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.serving.acceptance import verify_coupled, verify_greedy, verify_rejection
 from specdec.serving.engine import LlamaEngine
-from specdec.serving.grammar import Grammars, block_masks, mask_logits, session_grammar
+from specdec.serving.grammar import Grammars, block_masks, mask_logits
 from specdec.serving.sampling import (
     bias_logits,
     from_sparse,
@@ -17,8 +17,8 @@ from specdec.serving.sampling import (
     position_generator,
     process_logits,
 )
-from specdec.serving.scheduler import Piece
-from specdec.serving.session import SessionStore, resolve
+from specdec.serving.scheduler import Piece, Work
+from specdec.serving.session import SessionStore
 
 
 @dataclasses.dataclass
@@ -113,45 +113,28 @@ def emitted_logprobs(logits: torch.Tensor, tokens: list[int], top: int):
     """(log p(token), top ids, top logprobs) of each row's token under the target's raw
     log-softmax. logits: [len(tokens), vocab]."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long, device=logp.device)[:, None])[:, 0].tolist()
     if top:
         values, ids = torch.topk(logp, top, dim=-1)
         return [(lp, i, v) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
     return [(lp, [], []) for lp in chosen]
 
 
-class VerifyWork:
+class VerifyWork(Work):
     """One verify call as scheduler work: prefill chunks, then the block in one pass, then
     (decode_on) plain steps, one a pass, each decided as a k = 0 call after it would be."""
 
     def __init__(self, call: VerifyCall, engine: LlamaEngine, store: SessionStore, vocab_size: int,
                  grammars: Grammars | None = None):
-        self.call = call
-        self.grammars = grammars
-        self.session_id = call.session_id
-        self.engine = engine
-        self.store = store
+        super().__init__(call, engine, store, grammars)
         self.vocab_size = vocab_size
-        self.cancelled = False
-        self.compute_s = 0.0
-        self.batch_size = 0
-        self.pass_tokens = 0
-        self.queued_s = 0.0
         self._feed = call.tokens + call.draft_tokens
-        self._fed = 0
-        self._piece_len = 0
         self._result: VerifyResult | None = None
         self._prompt_logprobs: list = []
 
     def start(self) -> None:
+        super().start()
         c = self.call
-        self.session = resolve(
-            self.store, c.session_id, c.prefix_len, c.prefix_hash, self.engine.new_cache
-        )
-        self.session.request_id = c.request_id or self.session.request_id
-        # compiled (or found in the cache) before any pass: a bad grammar fails this call alone
-        self.grammar = session_grammar(self.session, self.grammars, c.sampling.grammar,
-                                       c.sampling.prompt_len)
         total = c.prefix_len + len(self._feed)
         if total > self.engine.arch.max_context:
             raise ValueError(
