@@ -113,7 +113,8 @@ def emitted_logprobs(logits: torch.Tensor, tokens: list[int], top: int):
     """(log p(token), top ids, top logprobs) of each row's token under the target's raw
     log-softmax. logits: [len(tokens), vocab]."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.long, device=logp.device)[:, None])[:, 0].tolist()
+    ids = torch.tensor(tokens, dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
     if top:
         values, ids = torch.topk(logp, top, dim=-1)
         return [(lp, i, v) for lp, i, v in zip(chosen, ids.tolist(), values.tolist())]
