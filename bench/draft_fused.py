@@ -13,8 +13,7 @@ import torch, torch.nn as nn, torch.nn.functional as F
 from tqdm import tqdm
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from specdec.models import draft_model as dm
-from specdec.serving.arch import ArchConfig
-from specdec.distill.train import soft_target_loss
+from specdec.distill.train import init_from_draft, soft_target_loss
 from specdec.distill.feature_draft import load_records, shard_paths
 
 torch.set_num_threads(int(sys.argv[2]) if len(sys.argv) > 2 else 1)
@@ -23,12 +22,8 @@ STEPS = int(sys.argv[3]) if len(sys.argv) > 3 else 300
 INJECT = sys.argv[4] if len(sys.argv) > 4 else "input"   # input | both
 BASE_LR = float(sys.argv[5]) if len(sys.argv) > 5 else 1e-4
 
-meta, w = dm.load_weights(dm.shipped_draft_dir())
-arch = ArchConfig(**meta["arch"])
-vocab_map = w.pop("vocab_map").long()
-embed = w.pop("embed").float()
-base = dm.DraftModule(arch, embed, vocab_map)
-base.load_canonical({k: v.float() for k, v in w.items()})
+base, arch, vocab_map = init_from_draft(dm.shipped_draft_dir())
+embed = base.embed
 to_draft = torch.full((embed.shape[0],), -1, dtype=torch.long)
 to_draft[vocab_map] = torch.arange(len(vocab_map))
 H = arch.hidden_size

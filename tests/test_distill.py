@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import TOKEN_PROMPTS, ServiceThread, generate_on, hf_greedy, run
 
 from specdec.serving.drafting import lookup
@@ -58,6 +59,28 @@ def test_distill_end_to_end_makes_a_loadable_exact_draft(tmp_path, tiny_models, 
     assert report["templated"]["held_out_tokens"] == held["held_out_tokens"]  # the same set
     assert report["handwritten"]["held_out_tokens"] > 0
     assert (tmp_path / "work" / "heldout-handwritten").is_dir()
+
+    # --init-draft trains on from a draft: 0 steps give back its very weights (not the
+    # target-layer start a fresh run makes), a few steps move them; its vocabulary stays
+    from safetensors.torch import load_file
+
+    def train_on(steps, name):
+        done = subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli", "distill", "--target", target,
+             "--out", str(tmp_path / "work"), "--skip-data", "--heldout-prompts", "2",
+             "--max-new-tokens", "16", "--init-draft", str(draft_dir), "--steps", str(steps),
+             "--batch", "4", "--lr", "1e-2", "--threads", "1",
+             "--draft-out", str(tmp_path / name)],
+            capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return load_file(str(tmp_path / name / "weights.safetensors"))
+
+    start = load_file(str(draft_dir / "weights.safetensors"))
+    same, moved = train_on(0, "same"), train_on(3, "moved")
+    assert same.keys() == start.keys() == moved.keys()
+    assert all(torch.equal(same[k], start[k]) for k in start)
+    assert torch.equal(moved["vocab_map"], start["vocab_map"])
+    assert not torch.equal(moved["layers.0.wqkv.int8"], start["layers.0.wqkv.int8"])
 
     # the distilled draft serves, and speculative greedy output stays the target's
 

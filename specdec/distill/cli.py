@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -37,6 +38,9 @@ def register(sub) -> None:
                    help="generate (or finish generating) the shards, then stop")
     d.add_argument("--vocab", type=int, default=8192, help="draft head vocabulary size")
     d.add_argument("--layers", default="0,29", help="target layers to initialise from")
+    d.add_argument("--init-draft", metavar="DRAFT",
+                   help="train on from this specdec draft (e.g. default-draft) instead of "
+                        "from target layers: its weights, layers and head vocabulary")
     d.add_argument("--steps", type=int, default=600)
     d.add_argument("--batch", type=int, default=16)
     d.add_argument("--lr", type=float, default=1e-3)
@@ -124,6 +128,7 @@ def cmd_distill(args) -> int:
     from specdec.distill.data import load_shards, write_shards
     from specdec.distill.prompts import train_conversations
     from specdec.models import draft_model
+    from specdec.models.loading import resolve_draft_spec
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,13 +165,28 @@ def cmd_distill(args) -> int:
                             vocab=args.vocab, max_len=args.max_len, batch=args.batch,
                             steps=args.steps, lr=args.lr, seed=args.seed)
     torch.manual_seed(args.seed)
-    vocab_map = distill.build_vocab(records, recipe.vocab, sorted(eos))
+    if args.init_draft:
+        start = resolve_draft_spec(args.init_draft, args.target)
+        if not draft_model.is_draft_dir(start):
+            raise SystemExit(f"error: --init-draft {args.init_draft!r} is not a specdec draft "
+                             "directory")
+        if draft_model.read_meta(start)["target"] != args.target:
+            raise SystemExit(f"error: --init-draft {args.init_draft!r} drafts for "
+                             f"{draft_model.read_meta(start)['target']!r}, not {args.target!r}")
+        module, arch, vocab_map = distill.init_from_draft(start)
+        recipe = dataclasses.replace(recipe, vocab=len(vocab_map),
+                                     layers=(), warmup=min(recipe.warmup, recipe.steps))
+    else:
+        vocab_map = distill.build_vocab(records, recipe.vocab, sorted(eos))
+        module, arch = distill.init_from_target(recipe, vocab_map)
     vocab_size = len(tokenizer)
     examples = distill.Examples(records, vocab_map, vocab_size, recipe.max_len)
     held_ex = distill.Examples(held, vocab_map, vocab_size, recipe.max_len)
-    module, arch = distill.init_from_target(recipe, vocab_map)
     t1 = time.time()
-    figures = distill.train(module, examples, recipe, work / "train.ckpt", held_ex)
+    # a run that trains on from a draft keeps its own checkpoint beside a from-scratch one's
+    ckpt = work / ("train.ckpt" if not args.init_draft else
+                   "train-on-" + args.init_draft.strip("/").replace("/", "_") + ".ckpt")
+    figures = distill.train(module, examples, recipe, ckpt, held_ex)
     train_s = time.time() - t1
     out_dir = pathlib.Path(args.draft_out or work / "draft")
     card = {
@@ -178,11 +198,13 @@ def cmd_distill(args) -> int:
                  "vocab_coverage_train": round(distill.coverage(records, vocab_map), 4),
                  "vocab_coverage_held_out": round(distill.coverage(held, vocab_map), 4)},
         "training": figures,
+        "trained_on_from": None if not args.init_draft else {
+            "draft": args.init_draft, "its_data": draft_model.read_meta(start)["card"].get("data")},
         "time_s": {"data": round(data_s, 1), "train": round(train_s, 1)},
         "command": "specdec distill " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
             if k in ("prompts", "vocab", "layers", "steps", "batch", "lr", "seed",
-                     "max_new_tokens", "temperatures")),
+                     "max_new_tokens", "temperatures", "init_draft") and v is not None),
     }
     draft_model.save(out_dir, arch, module.canonical(), vocab_map, args.target, card)
     card["held_out"] = distill.evaluate(str(out_dir), held)

@@ -152,6 +152,19 @@ def init_from_target(recipe: Recipe, vocab_map: torch.Tensor,
     return module, arch
 
 
+def init_from_draft(path) -> tuple[DraftModule, ArchConfig, torch.Tensor]:
+    """A draft module holding a specdec draft's own weights (to train it on: fine-tuning a
+    shipped draft on more of its target's answers keeps all it learnt), with its arch and
+    its head's vocabulary map."""
+    meta, weights = draft_model.load_weights(path)
+    arch = ArchConfig(**meta["arch"])
+    vocab_map = weights.pop("vocab_map").long()
+    embed = weights.pop("embed").float()
+    module = DraftModule(arch, embed, vocab_map)
+    module.load_canonical({k: v.float() for k, v in weights.items()})
+    return module, arch, vocab_map
+
+
 # -- training ---------------------------------------------------------------------------------
 
 
