@@ -227,3 +227,37 @@ def test_kept_answers_rebuild_every_shard_by_scoring_with_the_same_scores(tmp_pa
     identity["prompts"] = 6
     with pytest.raises(ValueError, match="answers made with"):
         build(tmp_path / "c")
+
+
+def test_unscored_answers_train_with_their_own_tokens_as_labels(tmp_path):
+    """``--answers-as-labels``: the kept answers whose shard is not built become records whose
+    one label per position is the answer's own token, so the distillation loss on them is the
+    plain cross-entropy of those tokens (crafted logits), and only missing shards count."""
+    import torch
+
+    from specdec.distill import train as distill
+    from specdec.distill.data import answers_as_labels, load_answers, save_answers, unscored_answers
+
+    gen = torch.Generator().manual_seed(0)
+    records = [dict(prompt=torch.randint(0, 50, (n_p,), generator=gen, dtype=torch.int32),
+                    answer=torch.randint(0, 50, (n_a,), generator=gen, dtype=torch.int32),
+                    temperature=t, conversation=i)
+               for i, (n_p, n_a, t) in enumerate([(3, 5, 0.0), (4, 2, 0.8), (2, 6, 0.0)])]
+    (tmp_path / "answers").mkdir()
+    (tmp_path / "data").mkdir()
+    for n in range(3):
+        save_answers(records, tmp_path / "answers" / f"answers-{n:05d}.npz")
+    (tmp_path / "data" / "shard-00001.pt").write_bytes(b"")  # shard 1 is built
+    kept = unscored_answers(tmp_path / "answers", tmp_path / "data")
+    assert [p.name for p in kept] == ["answers-00000.npz", "answers-00002.npz"]
+
+    labelled = answers_as_labels(load_answers(kept[0]))
+    vocab_map = torch.arange(50)
+    ex = distill.Examples(labelled, vocab_map, 50, max_len=64)
+    tokens, rows, tgt_ids, tgt_lp = ex.batch(list(range(len(ex))))
+    logits = torch.randn(*tokens.shape, 50, generator=gen)
+    loss, _ = distill.soft_target_loss(logits, rows, tgt_ids, tgt_lp)
+    flat = logits.reshape(-1, 50)[rows]
+    answers = torch.cat([r["answer"].long() for r in records])
+    expected = torch.nn.functional.cross_entropy(flat, answers)
+    assert torch.allclose(loss, expected, atol=1e-5)

@@ -34,6 +34,9 @@ def register(sub) -> None:
     d.add_argument("--answers", help="where each shard's answers (token ids only, ~4 bytes a "
                         "token) are kept; shards missing there are rebuilt from them by scoring "
                         "instead of generating (default: OUT/answers)")
+    d.add_argument("--answers-as-labels", action="store_true",
+                   help="with --skip-data: also train on the kept answers whose shards are not "
+                        "built, each answer token its own label (no scoring pass)")
     d.add_argument("--data-only", action="store_true",
                    help="generate (or finish generating) the shards, then stop")
     d.add_argument("--vocab", type=int, default=8192, help="draft head vocabulary size")
@@ -125,7 +128,8 @@ def cmd_distill(args) -> int:
     import torch
 
     from specdec.distill import train as distill
-    from specdec.distill.data import load_shards, write_shards
+    from specdec.distill.data import (answers_as_labels, load_answers, load_shards,
+                                      unscored_answers, write_shards)
     from specdec.distill.prompts import train_conversations
     from specdec.models import draft_model
     from specdec.models.loading import resolve_draft_spec
@@ -159,6 +163,12 @@ def cmd_distill(args) -> int:
     data_s = time.time() - t0
     del engine
     records = load_shards(shards)
+    if args.answers_as_labels:
+        if not args.skip_data:
+            raise SystemExit("error: --answers-as-labels goes with --skip-data")
+        kept = unscored_answers(pathlib.Path(args.answers or work / "answers"), work / "data")
+        records += answers_as_labels([r for p in kept for r in load_answers(p)])
+        print(f"{len(kept)} answer files without scores: their tokens are their labels")
     n_tokens = sum(len(r["answer"]) for r in records)
     print(f"training data: {len(records)} answers, {n_tokens} target tokens")
     recipe = distill.Recipe(target=args.target, layers=tuple(int(x) for x in args.layers.split(",")),

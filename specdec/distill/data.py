@@ -246,6 +246,23 @@ def write_shards(
     return shards
 
 
+def answers_as_labels(records: list[dict]) -> list[dict]:
+    """Kept answers as training records without scores: each answer token is its own label
+    (``top_ids`` one column, log-prob 0). For a greedy answer that is the target's argmax
+    exactly; for a sampled one, a draw from the target's distribution, so the cross-entropy
+    to it is an unbiased estimate of the cross-entropy to that distribution (noisier than
+    the top-32 scores, and free: no target pass)."""
+    return [dict(r, top_ids=r["answer"][:, None].to(torch.int32),
+                 top_logprobs=torch.zeros(len(r["answer"]), 1, dtype=torch.float16))
+            for r in records]
+
+
+def unscored_answers(answers_dir: pathlib.Path, data_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The kept answers whose shard (with scores) is not built in ``data_dir``."""
+    return [p for p in sorted(answers_dir.glob("answers-*.npz"))
+            if not (data_dir / p.name.replace("answers-", "shard-").replace(".npz", ".pt")).exists()]
+
+
 def load_shards(paths) -> list[dict]:
     records = []
     for path in paths:
