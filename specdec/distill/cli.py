@@ -193,12 +193,13 @@ def cmd_distill(args) -> int:
     examples = distill.Examples(records, vocab_map, vocab_size, recipe.max_len)
     held_ex = distill.Examples(held, vocab_map, vocab_size, recipe.max_len)
     t1 = time.time()
-    # a run that trains on from a draft keeps its own checkpoint beside a from-scratch one's
-    ckpt = work / ("train.ckpt" if not args.init_draft else
-                   "train-on-" + args.init_draft.strip("/").replace("/", "_") + ".ckpt")
+    # a run writing elsewhere (or training on from a draft) resumes from its own checkpoint,
+    # beside the draft it writes, never from another run's
+    out_dir = pathlib.Path(args.draft_out or work / "draft")
+    ckpt = work / "train.ckpt" if not (args.draft_out or args.init_draft) else \
+        out_dir.with_name(out_dir.name + ".ckpt")
     figures = distill.train(module, examples, recipe, ckpt, held_ex)
     train_s = time.time() - t1
-    out_dir = pathlib.Path(args.draft_out or work / "draft")
     card = {
         "recipe": {k: (list(v) if isinstance(v, tuple) else v)
                    for k, v in vars(recipe).items()},
