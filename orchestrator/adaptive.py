@@ -151,7 +151,7 @@ class KController:
                  k_max: int = ADAPTIVE_K_MAX, costs: Costs | None = None,
                  pool: Acceptance | None = None, running: Callable[[], int] | None = None,
                  branching: bool = False, drafter_invariant: bool = False,
-                 decode_on: int = 0):
+                 decode_on: int = 0, shared_cores: bool = False):
         """``pool``: the acceptance of the orchestrator's recent generations, told what this
         one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` while others
         run). ``running``: how many generations the orchestrator runs now, this one included
@@ -159,11 +159,13 @@ class KController:
         pipelined rounds draft the speculation cache behind each verify (k is costed with its
         hit rate). ``drafter_invariant``: k cannot change the text (SamplingParams), so load
         may change k. ``decode_on``: the plain steps the target takes on by itself in a round
-        of no block (its call's own time is then shared by 1 + decode_on tokens)."""
+        of no block (its call's own time is then shared by 1 + decode_on tokens).
+        ``shared_cores``: the draft shares the target's cores (``crowd``)."""
         self.fixed_k = fixed_k
         self.drafter_invariant = drafter_invariant
         self.decode_on = decode_on
         self.running = running
+        self.shared_cores = shared_cores
         self.pipelined = pipelined
         self.k_max = min(k_max, max(len(target_ms) - 1, 1)) if target_ms else k_max
         self.costs = costs or Costs.calibrated(target_ms, draft_ms)
@@ -197,16 +199,22 @@ class KController:
     def backoff(self) -> int:
         return self.probes.backoff
 
-    def crowded(self, active: int, shared_cores: bool) -> bool:
-        """Whether this generation should draft nothing because ``active`` generations (this
-        one included) share the cores: where the draft shares the target's cores, concurrent
-        generations keep both services busy at once, so the draft's passes take the cores the
-        target's batched verify needs and a drafted token costs verify throughput instead of
-        hiding behind it (measured on 2 cores, every core per service, 48 tokens per request:
-        sequential rounds 0.64x and pipelined 0.29x target-only's aggregate tok/s at N = 8).
-        The target batches the sessions' single-token rounds instead. Only adaptive k on
-        requests whose text k cannot change."""
-        return shared_cores and active > 1 and self.fixed_k is None and self.drafter_invariant
+    def crowd(self) -> float:
+        """The crowding term's load: the generations running now (this one included) where
+        the draft shares the target's cores, else 0. There concurrent generations keep both
+        services busy at once: the draft's passes take the cores the target's batched verify
+        needs, so a drafted token costs verify throughput instead of hiding behind it
+        (measured on 2 cores, every core per service, 48 tokens per request: sequential rounds
+        0.64x and pipelined 0.29x target-only's aggregate tok/s at N = 8); ``raises_throughput``
+        charges it. Only adaptive k on requests whose text k cannot change."""
+        if not (self.shared_cores and self.drafter_invariant and self.fixed_k is None) or \
+                self.running is None:
+            return 0.0
+        return float(self.running())
+
+    def crowded(self) -> bool:
+        """Whether the crowding term weighs in: other generations run on the shared cores."""
+        return self.crowd() > cost_model.LOADED_BATCH
 
     def observe(self, k: int, accepted: int) -> None:
         """Record a round: k drafted, ``accepted`` of them kept (k = 0: a target-only step)."""
@@ -308,9 +316,12 @@ class KController:
 
     def raises_throughput(self, k: int, a: float, now: bool = False) -> bool:
         """Under load, whether a block of k raises the target's aggregate throughput (the
-        module's ``raises_throughput``, at this controller's miss rate)."""
+        module's ``raises_throughput``, at this controller's miss rate; crowded, with the
+        block's k draft steps on the shared cores)."""
+        crowd = self.crowd()
         return raises_throughput(self.costs, k, expected_tokens(a, k),
-                                 self.miss_rate(k, a, now))
+                                 self.miss_rate(k, a, now), crowd,
+                                 k * self.costs.draft_step_ms if crowd else 0.0)
 
     def rate(self, k: int, a: float | None = None, now: bool = False) -> float:
         """Expected tokens per millisecond at block length k (``now``: of a round whose
@@ -356,8 +367,8 @@ class KController:
         if self.fixed_k is not None:
             return self.fixed_k
         k = self.best_k(now=now)
-        if k or not self.probes.due():
-            return k
+        if k or not self.probes.due() or not self.best_k(1.0, now):
+            return k  # (no probe where no acceptance would make a block pay at this load)
         # A probe, or a draft that improved would never be noticed.
         if not self.waits_for_draft():
             # Drafted behind the verify pass and taken on a hit, without waiting: the draft

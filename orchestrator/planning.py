@@ -71,8 +71,6 @@ class Planner:
         path (measured on separate cores, 8 generations starting together: sequential rounds
         reached their first token 0.3-0.45 s after target-only's when the first round
         drafted)."""
-        if self.crowded():  # a target-only round: the target batches it with the others'
-            return Block([], source=Source.CROWDED, k=0)
         # Pipelined, a round with nothing carried over (a miss) drafts its block now, after
         # the verdict: k as a sequential round's (KController.best_k).
         now = carried is None and not first_round
@@ -89,8 +87,8 @@ class Planner:
                                       self.lookup.rate() > self.k_ctl.rate(k, now=now)):
                 found.k = k
                 return found
-        if k == 0:
-            return Block([], source=Source.NONE, k=0)
+        if k == 0:  # (crowded: other generations' load on the shared cores weighed in)
+            return Block([], source=Source.CROWDED if self.crowded() else Source.NONE, k=0)
         if carried is not None:
             block = carried.cut(k)
             block.k = k
@@ -116,17 +114,15 @@ class Planner:
         return block
 
     def next_k(self, after_full_accept: bool = False, now: bool = False) -> int:
-        """The controller's k, or 0 while the generation is ``crowded``."""
-        if self.k_ctl is None or self.crowded():
+        """The controller's k (0 without a draft)."""
+        if self.k_ctl is None:
             return 0
         return self.k_ctl.next_k(after_full_accept, now)
 
     def crowded(self) -> bool:
-        """Whether other generations share the cores with this one (KController.crowded):
-        then it drafts nothing, prompt lookup included (its blocks lengthen the batched
-        verify)."""
-        return self.k_ctl is not None and \
-            self.k_ctl.crowded(self.orch.active, self.orch.shared_cores)
+        """Whether the controller weighs other generations on the shared cores
+        (KController.crowd): a round of no block then is a crowded round."""
+        return self.k_ctl is not None and self.k_ctl.crowded()
 
     async def draft_block(self, history: History, extra: list[int], k: int,
                           source: Source = Source.DRAFT, warmup: bool = False,

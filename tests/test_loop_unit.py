@@ -346,8 +346,10 @@ def _together(orch, requests):
 
 @pytest.mark.parametrize("shared", [True, False])
 def test_generations_sharing_the_cores_draft_only_while_alone(shared):
-    """On shared cores concurrent generations leave the draft idle (the target batches their
-    rounds) and a generation drafts again once it is alone; elsewhere all of them draft."""
+    """On shared cores the cost model's crowding term counts the generations running as the
+    target's batch: two sequential generations leave the draft idle (a block drafted between
+    one's calls would cost the other's pass; crowded rounds) and a generation drafts again
+    once it is alone; elsewhere all of them draft."""
     target, draft = FakeTarget(), FakeDraft(wrong_every=5)
     target.prompt_len = 3
     target.compute_ms = 10.0  # as calibrated: a verify costs 10x a draft step
@@ -381,6 +383,23 @@ def test_generations_sharing_the_cores_draft_only_while_alone(shared):
                                                         "spec", 2, prompt_lookup=False)])
     assert sampled.stats.crowded_rounds == fixed.stats.crowded_rounds == 0
     assert fixed.stats.draft_tokens > 0
+
+
+def test_crowded_generations_still_take_prompt_lookups_that_pay():
+    """A lookup block costs no draft compute, so crowding on shared cores does not price it:
+    two generations of a prompt that repeats itself, crowded (no draft block), still verify
+    the lookup blocks that the lookup's own rate finds worth it (before, crowding vetoed
+    lookups too)."""
+    prompt = [1, 2, 3, 4] * 5
+    target, draft = FakeTarget(), FakeDraft(wrong_every=5)
+    target.prompt_len = len(prompt)
+    orch = Orchestrator(target, draft, FakeTokenizer(), [EOS], max_context=1024,
+                        shared_cores=True)
+    reqs = [GenerationRequest(list(prompt), 24, SamplingParams(), [], "spec", None)
+            for _ in range(2)]
+    for r in _together(orch, reqs):
+        assert r.token_ids == target_text(prompt, 24)
+        assert r.stats.lookup_rounds > 0 and r.stats.crowded_rounds > 0
 
 
 def test_concurrent_pipelined_generations_never_wait_for_the_draft(monkeypatch):
