@@ -223,8 +223,7 @@ class Orchestrator:
         history = History(req.prompt_ids)
         out = _Output(self.tokenizer, req, self.eos_ids)
         planner = Planner(self, req, session_id, stats)
-        pipeline = Pipeline(planner, self._branch_widths(req)) \
-            if req.mode == "pipelined" and self.draft else None
+        pipeline = Pipeline(planner) if planner.pipelined else None
         prompt_logprobs: list[TokenLogprob] = []
         started = time.perf_counter()
         carried: Block | None = None  # the next block, drafted during the last verify
@@ -233,9 +232,9 @@ class Orchestrator:
         try:
             while not done:
                 first = stats.rounds == 0
-                block = await planner.plan(history, carried, out.remaining, first)
-                behind = pipeline.draft_behind(history, block, out.remaining) if pipeline \
-                    else None
+                plan = await planner.plan(history, carried, out.remaining, first)
+                block = plan.block
+                behind = pipeline.draft_behind(history, plan) if pipeline else None
                 steps = self._decode_steps(block, out.remaining, first or behind is not None)
                 rnd = await self._verify(session_id, history, block, req, stats, first, steps)
                 rnd.behind = behind
