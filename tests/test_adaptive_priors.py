@@ -301,3 +301,26 @@ def test_crowding_on_shared_cores_is_a_term_of_the_cost_model():
     # only adaptive k on requests whose text k cannot change
     assert _crowded_ctl(8, fixed_k=3).crowd() == 0 and _crowded_ctl(8, fixed_k=3).next_k() == 3
     assert _crowded_ctl(8, drafter_invariant=False).crowd() == 0
+
+
+def test_a_choice_is_rated_by_a_pure_function_of_a_snapshot():
+    """KController.snapshot takes what a rating depends on (acceptance, costs, the cache's
+    hit rate and width, the guess's record, load, crowding, decoding on); orchestrator.rating
+    rates a choice from it alone: the controller's rates are the snapshot's, and what the
+    controller learns afterwards does not move a snapshot taken before."""
+    from orchestrator import rating
+
+    ctl = _int8_pipelined(decode_on=3, shared_cores=True, drafter_invariant=True,
+                          running=lambda: 2)
+    ctl.use_width(3)
+    ctl.observe_guess(3, False)
+    snap = ctl.snapshot(0.8)
+    assert snap == rating.Snapshot(ctl.costs, 0.8, True, True, 0.93, ctl.guess_held.value,
+                                   ctl.guess_predicted.value, 3, False, 3, 2.0)
+    rates = [rating.rate(snap, k) for k in range(5)]
+    assert rates == [ctl.rate(k, 0.8) for k in range(5)]
+    ctl.cache_hit = 0.1
+    ctl.use_width(1)
+    assert [rating.rate(snap, k) for k in range(5)] == rates
+    assert [ctl.rate(k, 0.8) for k in range(5)] != rates
+    assert rating.lookup_rate(ctl.costs, 8, 2.0) == 3.0 / ctl.costs.verify_ms(8)
