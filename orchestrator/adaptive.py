@@ -7,7 +7,9 @@ whole block accepted and the draft's guess of the target's token right, about a^
 is plain target decoding, chosen whenever speculation does not pay, so specdec is never much
 slower than the target alone.
 
-What a round costs is orchestrator.costs (calibrated, or live for greedy requests: greedy
+A choice is rated by orchestrator.rating, a pure function of a snapshot of acceptance, costs
+and load; ``KController`` takes the snapshot and picks the best-rated choice. What a round
+costs is orchestrator.costs (calibrated, or live for greedy requests: greedy
 text does not depend on k; sampled requests keep the calibrated costs, so a seeded request
 gives the same text every time). Every running figure is a ``Decayed``; every block that does
 not pay is retried by one ``Probes``. The measurements behind each tunable are in
@@ -19,7 +21,9 @@ from __future__ import annotations
 from typing import Callable
 
 from orchestrator import costs as cost_model
+from orchestrator import rating
 from orchestrator.costs import ADAPTIVE_K_MAX, Costs, Decayed, LiveCosts, raises_throughput
+from orchestrator.rating import Snapshot, expected_tokens
 from specdec.serving.branching import MAX_BRANCHES
 
 # What orchestrator.loop and the tests import from here, the cost model's included.
@@ -46,13 +50,6 @@ POOL_DECAY = 0.995  # per drafted token: the last few hundred of recent generati
 LOOKUP_DECAY = 0.8  # a generation's lookup blocks: bimodal, a copied span or a miss at once
 LOOKUP_POOL_DECAY = 0.95  # per lookup block, over recent generations
 WIDTH_DECAY = 0.8  # branch calls' time against their prediction
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """E[tokens per round] at per-token acceptance a and block length k."""
-    if a >= 1.0:
-        return k + 1.0
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 class Acceptance:
@@ -142,8 +139,8 @@ class Probes:
 
 
 class KController:
-    """Adaptive k for one generation: the block length of the highest expected tokens per ms
-    (``rate``) at its acceptance and the costs, with probes while k stays 0."""
+    """Adaptive k for one generation, the policy: the block length of the best rating
+    (orchestrator.rating, at this controller's ``snapshot``), with probes while k stays 0."""
 
     def __init__(self, target_ms: list[float], draft_ms: list[float], fixed_k: int | None = None,
                  pipelined: bool = False, prior_a: float = PRIOR_A,
@@ -151,7 +148,7 @@ class KController:
                  k_max: int = ADAPTIVE_K_MAX, costs: Costs | None = None,
                  pool: Acceptance | None = None, running: Callable[[], int] | None = None,
                  branching: bool = False, drafter_invariant: bool = False,
-                 decode_on: int = 0):
+                 decode_on: int = 0, shared_cores: bool = False):
         """``pool``: the acceptance of the orchestrator's recent generations, told what this
         one sees (``pool.prior()`` is what the orchestrator passes as ``prior_a`` while others
         run). ``running``: how many generations the orchestrator runs now, this one included
@@ -159,11 +156,13 @@ class KController:
         pipelined rounds draft the speculation cache behind each verify (k is costed with its
         hit rate). ``drafter_invariant``: k cannot change the text (SamplingParams), so load
         may change k. ``decode_on``: the plain steps the target takes on by itself in a round
-        of no block (its call's own time is then shared by 1 + decode_on tokens)."""
+        of no block (its call's own time is then shared by 1 + decode_on tokens).
+        ``shared_cores``: the draft shares the target's cores (``crowd``)."""
         self.fixed_k = fixed_k
         self.drafter_invariant = drafter_invariant
         self.decode_on = decode_on
         self.running = running
+        self.shared_cores = shared_cores
         self.pipelined = pipelined
         self.k_max = min(k_max, max(len(target_ms) - 1, 1)) if target_ms else k_max
         self.costs = costs or Costs.calibrated(target_ms, draft_ms)
@@ -197,16 +196,22 @@ class KController:
     def backoff(self) -> int:
         return self.probes.backoff
 
-    def crowded(self, active: int, shared_cores: bool) -> bool:
-        """Whether this generation should draft nothing because ``active`` generations (this
-        one included) share the cores: where the draft shares the target's cores, concurrent
-        generations keep both services busy at once, so the draft's passes take the cores the
-        target's batched verify needs and a drafted token costs verify throughput instead of
-        hiding behind it (measured on 2 cores, every core per service, 48 tokens per request:
-        sequential rounds 0.64x and pipelined 0.29x target-only's aggregate tok/s at N = 8).
-        The target batches the sessions' single-token rounds instead. Only adaptive k on
-        requests whose text k cannot change."""
-        return shared_cores and active > 1 and self.fixed_k is None and self.drafter_invariant
+    def crowd(self) -> float:
+        """The crowding term's load: the generations running now (this one included) where
+        the draft shares the target's cores, else 0. There concurrent generations keep both
+        services busy at once: the draft's passes take the cores the target's batched verify
+        needs, so a drafted token costs verify throughput instead of hiding behind it
+        (measured on 2 cores, every core per service, 48 tokens per request: sequential rounds
+        0.64x and pipelined 0.29x target-only's aggregate tok/s at N = 8); ``raises_throughput``
+        charges it. Only adaptive k on requests whose text k cannot change."""
+        if not (self.shared_cores and self.drafter_invariant and self.fixed_k is None) or \
+                self.running is None:
+            return 0.0
+        return float(self.running())
+
+    def crowded(self) -> bool:
+        """Whether the crowding term weighs in: other generations run on the shared cores."""
+        return self.crowd() > cost_model.LOADED_BATCH
 
     def observe(self, k: int, accepted: int) -> None:
         """Record a round: k drafted, ``accepted`` of them kept (k = 0: a target-only step)."""
@@ -244,12 +249,6 @@ class KController:
         self.guess_held.add(float(held))
         self.guess_predicted.add(self.acceptance ** (k + 1))
 
-    def guess_hit(self, k: int, a: float) -> float:
-        """The share of verdicts of a block of k that the single guess holds: a^(k+1), times
-        what the guesses held against that prediction."""
-        return min(1.0, a ** (k + 1) * self.guess_held.value /
-                   max(self.guess_predicted.value, 1e-9))
-
     def waits_for_draft(self) -> bool:
         """Whether a round may wait for the draft (False: a pipelined round with the
         speculation cache while the target batches other sessions, adaptive k). Under load a
@@ -259,95 +258,47 @@ class KController:
             (self.running is not None and self.running() > 1)
         return not (self.pipelined and self.branching and self.fixed_k is None and loaded)
 
+    def snapshot(self, a: float | None = None) -> Snapshot:
+        """What a rating depends on now (``a``: this acceptance instead of the learnt one)."""
+        return Snapshot(self.costs, self.acceptance if a is None else a, self.pipelined,
+                        self.branching, self.cache_hit, self.guess_held.value,
+                        self.guess_predicted.value, self.width, self.waits_for_draft(),
+                        self.decode_on, self.crowd())
+
+    # The rating at this controller's snapshot (orchestrator.rating says what each is).
+    def guess_hit(self, k: int, a: float) -> float:
+        return rating.guess_hit(self.snapshot(a), k)
+
     def miss_rate(self, k: int, a: float, now: bool = False, guess: bool = False) -> float:
-        """The share of rounds of k whose block is drafted after the last verdict (between
-        two verify calls), not behind the verify pass: every sequential round; pipelined,
-        the verdicts the speculation cache had no branch for, or without the cache (or
-        ``guess``: drafting only the single guess behind this round, see ``drafts_guess``)
-        those that did not keep the whole block and the draft's guess of the target's token.
-        ``now``: this round's block is drafted after the verdict (a pipelined miss): 1.
-        Where rounds do not wait for the draft no block is: 0 (a miss is a round of no block
-        instead, see ``rate``)."""
-        if not self.waits_for_draft():
-            return 0.0
-        if now or not self.pipelined:
-            return 1.0
-        if self.branching and not guess:
-            return 1.0 - self.cache_hit
-        return 1.0 - self.guess_hit(k, a)
+        return rating.miss_rate(self.snapshot(a), k, now, guess)
 
     def _behind_ms(self, k: int, guess: bool = False) -> float:
-        """The draft's call behind a verify pass of k: branches, or the block past the guess."""
-        if self.branching and not guess:
-            return self.costs.branch_call_ms(k, self.width, k)
-        return self.costs.draft_ms(k) + self.costs.draft_step_ms
+        return rating.behind_ms(self.snapshot(), k, guess)
 
     def round_ms(self, k: int, a: float, now: bool = False, guess: bool = False) -> float:
-        verify = self.costs.verify_ms(k)
-        if k == 0:  # per token: the call's own time is shared by the tokens it decodes on
-            # (not where the cache drafts branches behind a round of no block: none then)
-            steps = 0 if self.pipelined and self.branching else self.decode_on
-            return verify - self.costs.target_call_ms * steps / (1.0 + steps)
-        if not self.waits_for_draft():  # a hit's verify, else a round of no block
-            return self.cache_hit * max(verify, self._behind_ms(k)) + \
-                (1.0 - self.cache_hit) * self.costs.verify_ms(0)
-        draft = self.costs.draft_ms(k)
-        sequential = draft + self.costs.verify_ms(k, drafted=True)  # a miss: draft, then verify
-        miss = self.miss_rate(k, a, now, guess)
-        if miss >= 1.0:
-            return sequential
-        # a hit costs the longer of the verify and the draft behind it
-        return (1.0 - miss) * max(verify, self._behind_ms(k, guess)) + miss * sequential
-
-    def round_tokens(self, k: int, a: float) -> float:
-        """Expected tokens of a round of k: E[k], or where rounds do not wait for the draft,
-        E[k] on a hit and the target's one token on a miss."""
-        if k and not self.waits_for_draft():
-            return self.cache_hit * expected_tokens(a, k) + (1.0 - self.cache_hit)
-        return expected_tokens(a, k)
+        return rating.round_ms(self.snapshot(a), k, now, guess)
 
     def raises_throughput(self, k: int, a: float, now: bool = False) -> bool:
-        """Under load, whether a block of k raises the target's aggregate throughput (the
-        module's ``raises_throughput``, at this controller's miss rate)."""
-        return raises_throughput(self.costs, k, expected_tokens(a, k),
-                                 self.miss_rate(k, a, now))
+        return rating.raises(self.snapshot(a), k, now)
 
     def rate(self, k: int, a: float | None = None, now: bool = False) -> float:
-        """Expected tokens per millisecond at block length k (``now``: of a round whose
-        block is drafted after the verdict, as ``miss_rate``)."""
-        a = self.acceptance if a is None else a
-        ms = self.round_ms(k, a, now)
-        if self._may_guess(k, now):  # the cheaper of the cache and the guess behind it
-            ms = min(ms, self.round_ms(k, a, now, guess=True))
-        return self.round_tokens(k, a) / ms
-
-    def _may_guess(self, k: int, now: bool) -> bool:
-        return bool(k) and self.pipelined and self.branching and not now and \
-            self.waits_for_draft()
+        return rating.rate(self.snapshot(a), k, now)
 
     def drafts_guess(self, k: int, a: float | None = None) -> bool:
-        """Whether, behind a verify of k, the draft should draft only its guess of the
-        target's token and the block past it (plain pipelining's one row), not the
-        speculation cache's k + 1 verdict rows (times the width), though the cache is on:
-        where the draft's pass grows with its rows and its acceptance is high, the guess hits
-        nearly as often for a cheaper call. Chosen by the shorter predicted round (the same
-        tokens either way), only where rounds wait for the draft."""
-        a = self.acceptance if a is None else a
-        return self._may_guess(k, False) and \
-            self.round_ms(k, a, guess=True) < self.round_ms(k, a)
+        return rating.drafts_guess(self.snapshot(a), k)
 
     def best_k(self, a: float | None = None, now: bool = False) -> int:
-        """The block length of the highest rate. ``now``: for a round whose block is drafted
+        """The block length of the best rating. ``now``: for a round whose block is drafted
         after the verdict, a pipelined miss: its draft steps are paid in full whatever the
         next rounds hit, so it is chosen as a sequential round's, often shorter. Where rounds
         do not wait for the draft, such a round has no block: 0."""
-        a = self.acceptance if a is None else a
-        if now and not self.waits_for_draft():
+        snap = self.snapshot(a)
+        if now and not snap.waits:
             return 0
-        ks = [k for k in range(self.k_max + 1) if self.raises_throughput(k, a, now)]
-        k = max(ks, key=lambda k: (self.rate(k, a, now), -k))
+        ks = [k for k in range(self.k_max + 1) if rating.raises(snap, k, now)]
+        k = max(ks, key=lambda k: (rating.rate(snap, k, now), -k))
         margin = LOAD_MARGIN * max(self.costs.target_batch - 1.0, 0.0)
-        if k and self.rate(k, a, now) < (1.0 + margin) * self.rate(0, a, now):
+        if k and rating.rate(snap, k, now) < (1.0 + margin) * rating.rate(snap, 0, now):
             return 0  # under load, a gain within what the model leaves out is no gain
         return k
 
@@ -356,8 +307,8 @@ class KController:
         if self.fixed_k is not None:
             return self.fixed_k
         k = self.best_k(now=now)
-        if k or not self.probes.due():
-            return k
+        if k or not self.probes.due() or not self.best_k(1.0, now):
+            return k  # (no probe where no acceptance would make a block pay at this load)
         # A probe, or a draft that improved would never be noticed.
         if not self.waits_for_draft():
             # Drafted behind the verify pass and taken on a hit, without waiting: the draft
@@ -401,7 +352,7 @@ class LookupSizer:
 
     def rate(self) -> float:
         """Expected tokens per millisecond of a round with a lookup block of ``size``."""
-        return (1.0 + self.mean_accepted) / self.costs.verify_ms(self.max_size)
+        return rating.lookup_rate(self.costs, self.max_size, self.mean_accepted)
 
     def worth_it(self) -> bool:
         # (Under load verify_ms costs every session's block at this size: stricter than

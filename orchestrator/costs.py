@@ -5,7 +5,8 @@ choices with (orchestrator.adaptive).
 follow what the services' calls actually cost, so services started together, slowed by
 neighbours or batching other sessions are costed as they are. ``raises_throughput`` is the
 model's load term: whether a block raises the target's aggregate throughput while it batches
-other sessions. The measurements behind each tunable are in docs/design.md, under its name.
+other sessions, with crowding (the draft's compute on the target's shared cores) as a term.
+The measurements behind each tunable are in docs/design.md, under its name.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ class LiveCosts(Costs):
             self.draft_call_ms = mix(self.draft_call_ms, beyond, d)
 
 
-def raises_throughput(costs: Costs, k: int, tokens: float, miss: float) -> bool:
+def raises_throughput(costs: Costs, k: int, tokens: float, miss: float, crowd: float = 0.0,
+                      draft_ms: float = 0.0) -> bool:
     """Under load, whether a session's block of k, yielding ``tokens`` per round, raises the
     target's aggregate throughput; ``miss``: the share of its rounds whose block is drafted
     between two verify calls (not ready when the verdict comes).
@@ -201,10 +203,15 @@ def raises_throughput(costs: Costs, k: int, tokens: float, miss: float) -> bool:
     calls comes back after the others' next pass has started and rides the one after. Per
     round of this session: a hit costs pass(B + k) for B - 1 + E tokens, a miss pass(B - 1) +
     pass(B + k) for 2 (B - 1) + E; target-only rounds give B tokens per pass(B). Alone, the
-    target waits for this session anyway: True."""
-    b = costs.target_batch
+    target waits for this session anyway: True.
+
+    The crowding term, where the draft shares the target's cores: B is at least ``crowd``,
+    the generations running now (the calls' batch lags behind them), and the block's draft
+    compute ``draft_ms`` is the cores' time too, which the target's passes wait for instead
+    of it hiding behind them."""
+    b = max(costs.target_batch, crowd)
     if not k or b <= LOADED_BATCH:
         return True
     total = (b - 1.0) * (1.0 + miss) + tokens
-    ms = costs.pass_ms(b + k) + miss * costs.pass_ms(b - 1.0)
+    ms = costs.pass_ms(b + k) + miss * costs.pass_ms(b - 1.0) + draft_ms
     return total / ms > b / costs.pass_ms(b)

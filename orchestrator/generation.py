@@ -61,7 +61,8 @@ class Source(enum.Enum):
     LOOKUP = "lookup"  # prompt lookup
     FIRST = "first"  # the first round: empty, the draft prefills (and drafts behind it)
     NONE = "none"  # no block: k = 0, or the draft was down or failed
-    CROWDED = "crowded"  # no block: other generations share the cores (KController.crowded)
+    CROWDED = "crowded"  # no block, chosen with other generations on the shared cores
+    # (KController.crowd)
 
 
 @dataclasses.dataclass
@@ -143,7 +144,7 @@ class GenerationStats:
     late_branch_calls: int = 0  # branch calls dropped unanswered at their verdict (under load)
     re_prefills: int = 0
     tokens_without_draft: int = 0  # emitted while the draft was down or failing
-    crowded_rounds: int = 0  # no draft: other generations shared the cores (Source.CROWDED)
+    crowded_rounds: int = 0  # no block, other generations on the shared cores (Source.CROWDED)
     decoded_tokens: int = 0  # emitted by the target decoding on after a round with no block
     draft_failures: int = 0
     wall_s: float = 0.0

@@ -90,7 +90,8 @@ class Orchestrator:
         self.live_costs: LiveCosts | None = self._calibrated_costs(LiveCosts)
         # Where the draft shares the target's cores the speculation cache is off (its branches
         # slow the verify pass: the bench measured 9.2 tok/s with it against 21.0 without),
-        # and adaptive k drafts only while one generation runs (KController.crowded).
+        # and adaptive k charges the draft's compute to the target's batched passes while
+        # other generations run (KController.crowd).
         self.shared_cores = shared_cores
         self.active = 0  # generations in progress
         # The cache's width control, shared by the generations (what a branch call costs
@@ -168,7 +169,7 @@ class Orchestrator:
                            pool=pool, running=lambda: self.active,
                            branching=pipelined and self._may_branch(req),
                            drafter_invariant=req.sampling.drafter_invariant,
-                           decode_on=self.decode_on)
+                           decode_on=self.decode_on, shared_cores=self.shared_cores)
 
     def _may_branch(self, req: GenerationRequest) -> bool:
         """Whether the request may use the speculation cache: greedy or coupled without
@@ -222,8 +223,7 @@ class Orchestrator:
         history = History(req.prompt_ids)
         out = _Output(self.tokenizer, req, self.eos_ids)
         planner = Planner(self, req, session_id, stats)
-        pipeline = Pipeline(planner, self._branch_widths(req)) \
-            if req.mode == "pipelined" and self.draft else None
+        pipeline = Pipeline(planner) if planner.pipelined else None
         prompt_logprobs: list[TokenLogprob] = []
         started = time.perf_counter()
         carried: Block | None = None  # the next block, drafted during the last verify
@@ -232,9 +232,9 @@ class Orchestrator:
         try:
             while not done:
                 first = stats.rounds == 0
-                block = await planner.plan(history, carried, out.remaining, first)
-                behind = pipeline.draft_behind(history, block, out.remaining) if pipeline \
-                    else None
+                plan = await planner.plan(history, carried, out.remaining, first)
+                block = plan.block
+                behind = pipeline.draft_behind(history, plan) if pipeline else None
                 steps = self._decode_steps(block, out.remaining, first or behind is not None)
                 rnd = await self._verify(session_id, history, block, req, stats, first, steps)
                 rnd.behind = behind

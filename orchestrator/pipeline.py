@@ -5,12 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 
-from orchestrator.adaptive import LATE_SHARE, BranchWidth
 from orchestrator.generation import Behind, Block, Round, Source
-from orchestrator.planning import Planner
+from orchestrator.planning import Plan, Planner
 from orchestrator.service_clients import History
-from specdec.config import MAX_K
-from specdec.serving.branching import MAX_BRANCHES
 
 # Where rounds do not wait for the draft (KController.waits_for_draft), how long a verdict
 # still waits for a branch call that has not answered: less than the target's regroup wait
@@ -19,7 +16,8 @@ LATE_BRANCH_MS = 2.0
 
 
 class Pipeline:
-    """Pipelining: while the target verifies a block, the draft drafts the next one.
+    """Pipelining: while the target verifies a block, the draft drafts the next one, as the
+    round's plan says (``Plan.behind``, decided by the Planner).
 
     With the speculation cache (greedy or coupled requests without penalties, a model draft)
     it drafts a branch for each likely verdict (specdec.serving.branching), as wide as hides
@@ -29,44 +27,28 @@ class Pipeline:
     rolls back to the committed tokens, as its next call's prefix says).
     """
 
-    def __init__(self, planner: Planner, widths: BranchWidth | None):
+    def __init__(self, planner: Planner):
         self.planner = planner
-        self.widths = widths  # None: no speculation cache for this request
+        self.widths = planner.widths  # None: no speculation cache for this request
         self.task: asyncio.Task | None = None
         self.behind: Behind | None = None  # what the call in flight drafts
         self.shape = (0, 0, 0)  # (k, width, depth) of the branch call in flight
         self.started = 0.0  # when it was sent
 
-    def draft_behind(self, history: History, block: Block, remaining: int) -> Behind | None:
-        """Send the draft's call behind ``block``'s verify, if any: what it drafts."""
-        # Behind a round of no block too when the cache is on (a miss whose block did not pay
-        # to draft now): its branches are the next token's likeliest candidates.
-        if not (block.tokens or block.source is Source.FIRST or
-                (self.widths is not None and block.source is Source.NONE and
-                 not block.draft_failed)):
+    def draft_behind(self, history: History, plan: Plan) -> Behind | None:
+        """Send the draft's call behind the plan's verify, if it has one: what it drafts."""
+        call, tokens = plan.behind, plan.block.tokens
+        if call is None:
             return None
-        room = remaining - len(block.tokens) - 1
-        if room <= 0:
-            return None
-        # The draft also drafts its guess of the target's token: depth + 1 <= MAX_K.
-        depth = min(self.planner.next_k(after_full_accept=True), MAX_K - 1, room - 1)
-        if depth <= 0:
-            return None
-        k = len(block.tokens)
-        k_ctl = self.planner.k_ctl
-        branching = self.widths is not None and k + 1 <= MAX_BRANCHES and \
-            not k_ctl.drafts_guess(k)
-        self.behind = Behind(guess_call=not branching)
-        if not branching:  # plain pipelining: the guess and the block past it
+        self.behind = Behind(guess_call=call.guess)
+        if call.guess:  # plain pipelining: the guess and the block past it
             self.task = asyncio.create_task(
-                self.planner.draft_block(history, block.tokens, depth + 1, Source.PIPELINED))
+                self.planner.draft_block(history, tokens, call.depth + 1, Source.PIPELINED))
             return self.behind
-        width = self.widths.choose(k, depth, 1.0 if k_ctl.waits_for_draft() else LATE_SHARE)
-        k_ctl.use_width(width)
-        self.shape = (k, width, depth)
+        self.shape = (len(tokens), call.width, call.depth)
         self.started = time.perf_counter()
         self.task = asyncio.create_task(
-            self.planner.draft_branches(history, block.tokens, width, depth))
+            self.planner.draft_branches(history, tokens, call.width, call.depth))
         return self.behind
 
     async def next_block(self, rnd: Round) -> Block | None:

@@ -1,16 +1,19 @@
 """A round's plan: which block the next round verifies (prompt lookup, the draft model, the
-block drafted behind the last verify, or none) and what the verdicts teach the choice."""
+block drafted behind the last verify, or none), what the draft drafts behind its verify
+(pipelined), and what the verdicts teach the choice."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import TYPE_CHECKING
 
-from orchestrator.adaptive import KController
+from orchestrator.adaptive import LATE_SHARE, KController
 from orchestrator.generation import Block, GenerationRequest, GenerationStats, Round, Source
 from orchestrator.service_clients import CallRecord, History, ServiceError
 from specdec.config import MAX_K, SamplingParams
+from specdec.serving.branching import MAX_BRANCHES
 from specdec.serving.drafting import lookup
 from specdec.serving.grammar import GrammarState
 
@@ -40,6 +43,26 @@ def lookup_block(history: list[int], room: int, sampling: SamplingParams,
                  source=Source.LOOKUP)
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftBehind:
+    """The draft's call behind a round's verify (pipelined): its single guess of the target's
+    token and ``depth`` tokens past it, or the speculation cache's branches, ``width``
+    candidates per acceptance length, each ``depth`` tokens long."""
+
+    guess: bool
+    depth: int
+    width: int = 1
+
+
+@dataclasses.dataclass
+class Plan:
+    """A round's plan: the block it verifies, and the draft's call behind the verify (None:
+    no call)."""
+
+    block: Block
+    behind: DraftBehind | None = None
+
+
 def record_cancelled(stats: GenerationStats) -> None:
     """A draft call behind a verify that its verdict dropped, for the stats and the timeline."""
     t = time.perf_counter()
@@ -47,9 +70,10 @@ def record_cancelled(stats: GenerationStats) -> None:
 
 
 class Planner:
-    """The drafting side of one generation: k from the controller, the block of each round
-    (prompt lookup, the draft model, or the block drafted behind the last verify), and what
-    the verdicts teach the controller and the lookup sizer."""
+    """The drafting side of one generation: k from the controller, each round's plan (its
+    block: prompt lookup, the draft model, or the block drafted behind the last verify;
+    pipelined, the draft's call behind its verify), and what the verdicts teach the
+    controller and the lookup sizer."""
 
     def __init__(self, orch: Orchestrator, req: GenerationRequest, session_id: str,
                  stats: GenerationStats):
@@ -61,9 +85,19 @@ class Planner:
         self.grammar = orch.grammars.state(req.sampling.grammar, len(req.prompt_ids)) \
             if self.lookup is not None and req.sampling.grammar else None
         self.warmup: asyncio.Task | None = None  # the first round's draft prefill
+        # Pipelined: the draft drafts behind each verify (with the speculation cache's widths
+        # where the request may branch, else None).
+        self.pipelined = req.mode == "pipelined" and orch.draft is not None
+        self.widths = orch._branch_widths(req) if self.pipelined else None
 
     async def plan(self, history: History, carried: Block | None, remaining: int,
-                   first_round: bool) -> Block:
+                   first_round: bool) -> Plan:
+        """This round's plan: its block, and pipelined what the draft drafts behind it."""
+        block = await self.block(history, carried, remaining, first_round)
+        return Plan(block, self.behind(block, remaining) if self.pipelined else None)
+
+    async def block(self, history: History, carried: Block | None, remaining: int,
+                    first_round: bool) -> Block:
         """This round's block. The first round drafts nothing: the target's prefill produces
         its first token while the draft prefills the prompt (pipelined: and drafts past its
         guess of that token), which gives time to first token = the target's prefill alone,
@@ -71,8 +105,6 @@ class Planner:
         path (measured on separate cores, 8 generations starting together: sequential rounds
         reached their first token 0.3-0.45 s after target-only's when the first round
         drafted)."""
-        if self.crowded():  # a target-only round: the target batches it with the others'
-            return Block([], source=Source.CROWDED, k=0)
         # Pipelined, a round with nothing carried over (a miss) drafts its block now, after
         # the verdict: k as a sequential round's (KController.best_k).
         now = carried is None and not first_round
@@ -89,8 +121,8 @@ class Planner:
                                       self.lookup.rate() > self.k_ctl.rate(k, now=now)):
                 found.k = k
                 return found
-        if k == 0:
-            return Block([], source=Source.NONE, k=0)
+        if k == 0:  # (crowded: other generations' load on the shared cores weighed in)
+            return Block([], source=Source.CROWDED if self.crowded() else Source.NONE, k=0)
         if carried is not None:
             block = carried.cut(k)
             block.k = k
@@ -115,18 +147,39 @@ class Planner:
         block.k = k
         return block
 
+    def behind(self, block: Block, remaining: int) -> DraftBehind | None:
+        """What the draft drafts behind ``block``'s verify, if anything."""
+        # Behind a round of no block too when the cache is on (a miss whose block did not pay
+        # to draft now): its branches are the next token's likeliest candidates.
+        if not (block.tokens or block.source is Source.FIRST or
+                (self.widths is not None and block.source is Source.NONE and
+                 not block.draft_failed)):
+            return None
+        room = remaining - len(block.tokens) - 1
+        if room <= 0:
+            return None
+        # The draft also drafts its guess of the target's token: depth + 1 <= MAX_K.
+        depth = min(self.next_k(after_full_accept=True), MAX_K - 1, room - 1)
+        if depth <= 0:
+            return None
+        k = len(block.tokens)
+        if self.widths is None or k + 1 > MAX_BRANCHES or self.k_ctl.drafts_guess(k):
+            return DraftBehind(guess=True, depth=depth)  # plain pipelining's call
+        width = self.widths.choose(k, depth,
+                                   1.0 if self.k_ctl.waits_for_draft() else LATE_SHARE)
+        self.k_ctl.use_width(width)
+        return DraftBehind(guess=False, depth=depth, width=width)
+
     def next_k(self, after_full_accept: bool = False, now: bool = False) -> int:
-        """The controller's k, or 0 while the generation is ``crowded``."""
-        if self.k_ctl is None or self.crowded():
+        """The controller's k (0 without a draft)."""
+        if self.k_ctl is None:
             return 0
         return self.k_ctl.next_k(after_full_accept, now)
 
     def crowded(self) -> bool:
-        """Whether other generations share the cores with this one (KController.crowded):
-        then it drafts nothing, prompt lookup included (its blocks lengthen the batched
-        verify)."""
-        return self.k_ctl is not None and \
-            self.k_ctl.crowded(self.orch.active, self.orch.shared_cores)
+        """Whether the controller weighs other generations on the shared cores
+        (KController.crowd): a round of no block then is a crowded round."""
+        return self.k_ctl is not None and self.k_ctl.crowded()
 
     async def draft_block(self, history: History, extra: list[int], k: int,
                           source: Source = Source.DRAFT, warmup: bool = False,

@@ -1,10 +1,10 @@
 """Adaptive k across generations and sources: priors from recent generations (alone, under
-load, on shared cores), prompt lookup's sizing, the pipelined guess and the crowding veto."""
+load, on shared cores), prompt lookup's sizing, the pipelined guess and crowding."""
 
 import random
 
 import pytest
-from conftest import CPU_LINE, CURVE, FLAT, call_record, live_costs
+from conftest import CPU_LINE, CURVE, call_record, live_costs
 
 from orchestrator import adaptive
 from orchestrator import costs as cost_model
@@ -268,14 +268,59 @@ def test_on_shared_cores_a_lone_generation_starts_from_what_its_predecessors_saw
     assert orch._controller(rejection).acceptance == adaptive.PRIOR_A
 
 
-def test_a_generation_is_crowded_only_on_shared_cores_beside_others_with_adaptive_k():
-    """The controller's veto: no block while other generations share the cores, only where
-    the draft shares the target's, k is adaptive and k cannot change the text."""
-    def ctl(**kw):
-        return KController(FLAT, [1.0], **kw)
+def _crowded_ctl(running: int, shared: bool = True, batch: float = 1.0,
+                 **kw) -> KController:
+    """A controller over a CPU target (46 + 6 m ms a pass) and a 10 ms draft step, with
+    ``running`` generations, calls that show ``batch`` sessions per pass."""
+    costs = Costs.calibrated(CPU_LINE, [10.0])
+    costs.draft_call_ms, costs.target_batch = 2.0, batch
+    kw.setdefault("drafter_invariant", True)
+    return KController(CPU_LINE, [10.0], costs=costs, running=lambda: running,
+                       shared_cores=shared, **kw)
 
-    assert ctl(drafter_invariant=True).crowded(active=2, shared_cores=True)
-    assert not ctl(drafter_invariant=True).crowded(active=1, shared_cores=True)
-    assert not ctl(drafter_invariant=True).crowded(active=2, shared_cores=False)
-    assert not ctl(drafter_invariant=True, fixed_k=3).crowded(active=2, shared_cores=True)
-    assert not ctl(drafter_invariant=False).crowded(active=2, shared_cores=True)
+
+def test_crowding_on_shared_cores_is_a_term_of_the_cost_model():
+    """Where the draft shares the target's cores, the generations running count as the
+    target's batch at once (the calls show it rounds later) and a block's draft steps as the
+    cores' time the batched passes wait for (``raises_throughput``'s crowding term). At
+    acceptance 0.9: alone the model drafts; 8 generations on the shared cores draft nothing,
+    not even probes (no acceptance would pay there); on cores of its own the same 8 draft
+    until the calls show the load; and at a load the calls show (4 sessions a pass) the
+    draft's compute alone decides."""
+    assert _crowded_ctl(1).best_k(0.9) > 0 and not _crowded_ctl(1).crowded()
+    heavy = _crowded_ctl(8, prior_a=0.9, prior_weight=1000.0)
+    assert heavy.crowded() and heavy.best_k(0.9) == heavy.best_k(1.0) == 0
+    ks = []
+    for _ in range(300):
+        ks.append(heavy.next_k())
+        heavy.observe(ks[-1], 0)
+    assert ks == [0] * 300  # (a probe were due every PROBE_EVERY rounds)
+    assert _crowded_ctl(8, shared=False).best_k(0.9) > 0
+    assert _crowded_ctl(4, batch=4.0).best_k(0.9) == 0
+    assert _crowded_ctl(4, shared=False, batch=4.0).best_k(0.9) > 0
+    # only adaptive k on requests whose text k cannot change
+    assert _crowded_ctl(8, fixed_k=3).crowd() == 0 and _crowded_ctl(8, fixed_k=3).next_k() == 3
+    assert _crowded_ctl(8, drafter_invariant=False).crowd() == 0
+
+
+def test_a_choice_is_rated_by_a_pure_function_of_a_snapshot():
+    """KController.snapshot takes what a rating depends on (acceptance, costs, the cache's
+    hit rate and width, the guess's record, load, crowding, decoding on); orchestrator.rating
+    rates a choice from it alone: the controller's rates are the snapshot's, and what the
+    controller learns afterwards does not move a snapshot taken before."""
+    from orchestrator import rating
+
+    ctl = _int8_pipelined(decode_on=3, shared_cores=True, drafter_invariant=True,
+                          running=lambda: 2)
+    ctl.use_width(3)
+    ctl.observe_guess(3, False)
+    snap = ctl.snapshot(0.8)
+    assert snap == rating.Snapshot(ctl.costs, 0.8, True, True, 0.93, ctl.guess_held.value,
+                                   ctl.guess_predicted.value, 3, False, 3, 2.0)
+    rates = [rating.rate(snap, k) for k in range(5)]
+    assert rates == [ctl.rate(k, 0.8) for k in range(5)]
+    ctl.cache_hit = 0.1
+    ctl.use_width(1)
+    assert [rating.rate(snap, k) for k in range(5)] == rates
+    assert [ctl.rate(k, 0.8) for k in range(5)] != rates
+    assert rating.lookup_rate(ctl.costs, 8, 2.0) == 3.0 / ctl.costs.verify_ms(8)

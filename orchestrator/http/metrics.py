@@ -71,8 +71,8 @@ class Metrics:
             "speculation_cache_late_calls", "Branch calls dropped unanswered at their verdict "
             "(under load a round does not wait for the draft; each is also a pipeline miss).")
         self.crowded_rounds = counter(
-            "crowded_rounds", "Rounds that drafted nothing because other generations shared "
-            "the cores with the draft (services on one machine; the target batches them).")
+            "crowded_rounds", "Rounds of no block chosen while other generations shared the "
+            "cores with the draft (services on one machine; the target batches them).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter(
             "generation_tokens", "Tokens emitted to clients (completion tokens).")
