@@ -261,3 +261,20 @@ def test_unscored_answers_train_with_their_own_tokens_as_labels(tmp_path):
     answers = torch.cat([r["answer"].long() for r in records])
     expected = torch.nn.functional.cross_entropy(flat, answers)
     assert torch.allclose(loss, expected, atol=1e-5)
+
+    # in one batch with scored records (top-N columns): each keeps its own loss
+    scored = [dict(r, top_ids=torch.randint(0, 50, (len(r["answer"]), 4), generator=gen,
+                                            dtype=torch.int32),
+                   top_logprobs=torch.randn(len(r["answer"]), 4, generator=gen).log_softmax(-1))
+              for r in records]
+    both = distill.Examples(labelled + scored, vocab_map, 50, max_len=64)
+    tokens, rows, tgt_ids, tgt_lp = both.batch(list(range(len(both))))
+    logits = torch.randn(*tokens.shape, 50, generator=gen)
+    mixed, _ = distill.soft_target_loss(logits, rows, tgt_ids, tgt_lp)
+    n = len(labelled)
+    alone = [distill.soft_target_loss(logits[part], *distill.Examples(
+        recs, vocab_map, 50, max_len=64).batch(list(range(len(recs))))[1:])[0]
+        for part, recs in ((slice(0, n), labelled), (slice(n, None), scored))]
+    n_lab = sum(len(r["answer"]) for r in labelled)
+    n_sc = sum(len(r["answer"]) for r in scored)
+    assert torch.allclose(mixed, (alone[0] * n_lab + alone[1] * n_sc) / (n_lab + n_sc), atol=1e-5)

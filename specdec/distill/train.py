@@ -22,6 +22,7 @@ import pathlib
 import random
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.models import draft_model
@@ -108,6 +109,11 @@ class Examples:
             rows.append(b * t + pos)
             tgt_ids.append(self.to_draft[top_ids])
             tgt_lp.append(top_lp)
+        # records scored with top-N and records labelled by their own tokens (one column)
+        # share a batch: narrower ones are padded with id -1 (dropped by the loss)
+        width = max(x.shape[1] for x in tgt_ids)
+        tgt_ids = [F.pad(x, (0, width - x.shape[1]), value=-1) for x in tgt_ids]
+        tgt_lp = [F.pad(x, (0, width - x.shape[1]), value=0.0) for x in tgt_lp]
         return tokens, torch.cat(rows), torch.cat(tgt_ids), torch.cat(tgt_lp)
 
 
