@@ -157,8 +157,8 @@ def check_http_answer(r: httpx.Response, n: int = 1) -> None:
         return
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    for event in map(json.loads, events[:-1]):
-        assert "error" not in event, event  # a stream that began must end well
+    for chunk in map(json.loads, events[:-1]):
+        assert "error" not in chunk, chunk  # a stream that began must end well
     finishes = [c["finish_reason"] for e in map(json.loads, events[:-1])
                 for c in e["choices"] if c["finish_reason"]]
     assert len(finishes) == n and set(finishes) <= {"stop", "length"}
