@@ -161,13 +161,21 @@ def cmd_bench(args) -> int:
             args.target, sorted({1, base_threads or os.cpu_count() or 1}))
     summary["split"] = cores
     summary["separation"] = separation
+    return _report(args, runs, summary, target_ms, separation)
+
+
+def _report(args, runs, summary: dict, target_ms, separation) -> int:
+    """Write bench.json and the plots, print the table (and the bound, the cores'
+    separation, the JSON); 1 where a run's token ids differ from HF target-only's."""
+    from bench import report
+
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "specdec bench " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(v) if isinstance(v, list) else v}"
         for k, v in vars(args).items()
-        if k in ("prompts", "max_new_tokens", "limit", "k", "threads", "hf_threads", "split",
-                 "rtt_ms") and v and v != "0")
+        if k in ("prompts", "max_new_tokens", "limit", "systems", "draft", "k", "threads",
+                 "hf_threads", "split", "rtt_ms", "decode_on") and v and v != "0")
     summary["command"] = command
     summary["when"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (out / "bench.json").write_text(json.dumps(

@@ -128,11 +128,9 @@ def cmd_distill(args) -> int:
     import torch
 
     from specdec.distill import train as distill
-    from specdec.distill.data import (answers_as_labels, load_answers, load_shards,
-                                      unscored_answers, write_shards)
+    from specdec.distill.data import write_shards
     from specdec.distill.prompts import train_conversations
     from specdec.models import draft_model
-    from specdec.models.loading import resolve_draft_spec
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -162,33 +160,14 @@ def cmd_distill(args) -> int:
                             engine, tokenizer, eos)
     data_s = time.time() - t0
     del engine
-    records = load_shards(shards)
-    if args.answers_as_labels:
-        if not args.skip_data:
-            raise SystemExit("error: --answers-as-labels goes with --skip-data")
-        kept = unscored_answers(pathlib.Path(args.answers or work / "answers"), work / "data")
-        records += answers_as_labels([r for p in kept for r in load_answers(p)])
-        print(f"{len(kept)} answer files without scores: their tokens are their labels")
+    records = _training_records(args, work, shards)
     n_tokens = sum(len(r["answer"]) for r in records)
     print(f"training data: {len(records)} answers, {n_tokens} target tokens")
     recipe = distill.Recipe(target=args.target, layers=tuple(int(x) for x in args.layers.split(",")),
                             vocab=args.vocab, max_len=args.max_len, batch=args.batch,
                             steps=args.steps, lr=args.lr, seed=args.seed)
     torch.manual_seed(args.seed)
-    if args.init_draft:
-        start = resolve_draft_spec(args.init_draft, args.target)
-        if not draft_model.is_draft_dir(start):
-            raise SystemExit(f"error: --init-draft {args.init_draft!r} is not a specdec draft "
-                             "directory")
-        if draft_model.read_meta(start)["target"] != args.target:
-            raise SystemExit(f"error: --init-draft {args.init_draft!r} drafts for "
-                             f"{draft_model.read_meta(start)['target']!r}, not {args.target!r}")
-        module, arch, vocab_map = distill.init_from_draft(start)
-        recipe = dataclasses.replace(recipe, vocab=len(vocab_map),
-                                     layers=(), warmup=min(recipe.warmup, recipe.steps))
-    else:
-        vocab_map = distill.build_vocab(records, recipe.vocab, sorted(eos))
-        module, arch = distill.init_from_target(recipe, vocab_map)
+    module, arch, vocab_map, recipe, start = _start(args, recipe, records, eos)
     vocab_size = len(tokenizer)
     examples = distill.Examples(records, vocab_map, vocab_size, recipe.max_len)
     held_ex = distill.Examples(held, vocab_map, vocab_size, recipe.max_len)
@@ -209,13 +188,10 @@ def cmd_distill(args) -> int:
                  "vocab_coverage_train": round(distill.coverage(records, vocab_map), 4),
                  "vocab_coverage_held_out": round(distill.coverage(held, vocab_map), 4)},
         "training": figures,
-        "trained_on_from": None if not args.init_draft else {
-            "draft": args.init_draft, "its_data": draft_model.read_meta(start)["card"].get("data")},
+        "trained_on_from": None if start is None else {
+            "draft": args.init_draft, "its_data": start["card"].get("data")},
         "time_s": {"data": round(data_s, 1), "train": round(train_s, 1)},
-        "command": "specdec distill " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if k in ("prompts", "vocab", "layers", "steps", "batch", "lr", "seed",
-                     "max_new_tokens", "temperatures", "init_draft") and v is not None),
+        "command": _command(args),
     }
     draft_model.save(out_dir, arch, module.canonical(), vocab_map, args.target, card)
     card["held_out"] = distill.evaluate(str(out_dir), held)
@@ -224,6 +200,57 @@ def cmd_distill(args) -> int:
     print(json.dumps(card["held_out"], indent=2))
     print(f"draft written to {out_dir}")
     return 0
+
+
+def _training_records(args, work: pathlib.Path, shards) -> list[dict]:
+    """The scored shards' records, and with --answers-as-labels the kept answers whose
+    shards are not built, labelled by their own tokens."""
+    from specdec.distill.data import answers_as_labels, load_answers, load_shards, unscored_answers
+
+    records = load_shards(shards)
+    if args.answers_as_labels:
+        if not args.skip_data:
+            raise SystemExit("error: --answers-as-labels goes with --skip-data")
+        kept = unscored_answers(pathlib.Path(args.answers or work / "answers"), work / "data")
+        records += answers_as_labels([r for p in kept for r in load_answers(p)])
+        print(f"{len(kept)} answer files without scores: their tokens are their labels")
+    return records
+
+
+def _start(args, recipe, records: list[dict], eos):
+    """(module, arch, vocab_map, recipe, the start draft's meta or None): from target layers,
+    or with --init-draft from that draft's own weights and vocabulary."""
+    from specdec.distill import train as distill
+    from specdec.models import draft_model
+    from specdec.models.loading import resolve_draft_spec
+
+    if not args.init_draft:
+        vocab_map = distill.build_vocab(records, recipe.vocab, sorted(eos))
+        module, arch = distill.init_from_target(recipe, vocab_map)
+        return module, arch, vocab_map, recipe, None
+    path = resolve_draft_spec(args.init_draft, args.target)
+    if not draft_model.is_draft_dir(path):
+        raise SystemExit(f"error: --init-draft {args.init_draft!r} is not a specdec draft "
+                         "directory")
+    meta = draft_model.read_meta(path)
+    if meta["target"] != args.target:
+        raise SystemExit(f"error: --init-draft {args.init_draft!r} drafts for "
+                         f"{meta['target']!r}, not {args.target!r}")
+    module, arch, vocab_map = distill.init_from_draft(path)
+    recipe = dataclasses.replace(recipe, vocab=len(vocab_map), layers=(),
+                                 warmup=min(recipe.warmup, recipe.steps))
+    return module, arch, vocab_map, recipe, meta
+
+
+def _command(args) -> str:
+    """The training command, as far as its arguments decide the draft."""
+    values = ("prompts", "prompt_set", "vocab", "layers", "steps", "batch", "lr", "seed",
+              "max_new_tokens", "temperatures", "init_draft", "answers")
+    flags = ("skip_data", "answers_as_labels")
+    words = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+             if k in values and v is not None]
+    words += [f"--{k.replace('_', '-')}" for k in flags if getattr(args, k, False)]
+    return "specdec distill " + " ".join(words)
 
 
 def cmd_eval(args) -> int:

@@ -45,7 +45,6 @@ import argparse
 import dataclasses
 import json
 import logging
-import math
 import pathlib
 import random
 import time
@@ -55,7 +54,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.distill.feature_model import FeatureDraft, FeatureRecipe, init_from_target
-from specdec.distill.train import build_vocab, simulate_tokens_per_round, soft_target_loss
+from specdec.distill.train import (build_vocab, lr_at, save_checkpoint, simulate_tokens_per_round,
+                                   soft_target_loss)
 
 log = logging.getLogger(__name__)
 
@@ -184,12 +184,6 @@ def train(draft: FeatureDraft, examples: FeatureExamples, recipe: FeatureRecipe,
     rng = random.Random(recipe.seed * 1000003 + step)
     torch.manual_seed(recipe.seed * 1000003 + step)
 
-    def lr_at(s: int) -> float:
-        if s < recipe.warmup:
-            return recipe.lr * (s + 1) / recipe.warmup
-        frac = (s - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-        return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-
     def batches(ids: list[int]) -> list[list[int]]:  # length-bucketed
         order = sorted(ids, key=lambda i: len(examples.items[i]["tokens"]))
         return [order[i : i + recipe.batch] for i in range(0, len(order), recipe.batch)]
@@ -219,7 +213,7 @@ def train(draft: FeatureDraft, examples: FeatureExamples, recipe: FeatureRecipe,
         idx = pool.pop()
         batch = examples.batch(idx)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr_at(recipe, step)
         loss, figs = chain_losses(draft, batch, recipe)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -239,10 +233,8 @@ def train(draft: FeatureDraft, examples: FeatureExamples, recipe: FeatureRecipe,
             history.append(dict(step=step, **res["step_agreement"]))
             log.info("step %d: held-out %s", step, res["step_agreement"])
         if ckpt is not None and (step % 100 == 0 or step == recipe.steps):
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"model": draft.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "recipe": dataclasses.asdict(recipe)}, tmp)
-            tmp.rename(ckpt)
+            save_checkpoint(ckpt, model=draft.state_dict(), opt=opt.state_dict(), step=step,
+                            recipe=dataclasses.asdict(recipe))
     bar.close()
     draft.eval()
     return {"steps": step, "seconds": round(time.time() - t0, 1), "rows_seen": rows_done,

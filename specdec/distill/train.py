@@ -174,6 +174,22 @@ def init_from_draft(path) -> tuple[DraftModule, ArchConfig, torch.Tensor]:
 # -- training ---------------------------------------------------------------------------------
 
 
+def lr_at(recipe, step: int) -> float:
+    """Linear warm-up over ``recipe.warmup`` steps, then cosine decay to 0.1 of ``recipe.lr``
+    at ``recipe.steps``."""
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    frac = (step - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
+    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def save_checkpoint(ckpt: pathlib.Path, **state) -> None:
+    """Write a training checkpoint whole or not at all (a killed run resumes from the last)."""
+    tmp = ckpt.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.rename(ckpt)
+
+
 def train(module: DraftModule, examples: Examples, recipe: Recipe, ckpt: pathlib.Path | None,
           held_out: Examples | None = None, eval_every: int = 0) -> dict:
     """AdamW with warmup + cosine decay; resumable from ``ckpt``. Returns training figures.
@@ -199,12 +215,6 @@ def train(module: DraftModule, examples: Examples, recipe: Recipe, ckpt: pathlib
     order = sorted(range(len(examples)), key=lambda i: len(examples.items[i][0]))
     batches = [order[i : i + recipe.batch] for i in range(0, len(order), recipe.batch)]
 
-    def lr_at(s: int) -> float:
-        if s < recipe.warmup:
-            return recipe.lr * (s + 1) / recipe.warmup
-        frac = (s - recipe.warmup) / max(1, recipe.steps - recipe.warmup)
-        return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
-
     module.train()
     ema_loss = ema_agree = None
     bar = tqdm(total=recipe.steps, initial=step, desc="distill", unit="step")
@@ -216,7 +226,7 @@ def train(module: DraftModule, examples: Examples, recipe: Recipe, ckpt: pathlib
         idx = pool.pop()
         tokens, rows, tgt_ids, tgt_lp = (x.to(device) for x in examples.batch(idx))
         for g in opt.param_groups:
-            g["lr"] = lr_at(step)
+            g["lr"] = lr_at(recipe, step)
         logits = module(tokens)
         loss, agree = soft_target_loss(logits, rows, tgt_ids, tgt_lp)
         opt.zero_grad(set_to_none=True)
@@ -235,9 +245,7 @@ def train(module: DraftModule, examples: Examples, recipe: Recipe, ckpt: pathlib
                 best = (score, {k: v.detach().clone() for k, v in module.state_dict().items()}, step)
             log.info("step %d: held-out top-1 %.4f (best %.4f at %d)", step, score, best[0], best[2])
         if ckpt is not None and (step % 50 == 0 or step == recipe.steps):
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"model": module.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
-            tmp.rename(ckpt)
+            save_checkpoint(ckpt, model=module.state_dict(), opt=opt.state_dict(), step=step)
     bar.close()
     module.eval()
     out = {"steps": step, "train_loss_ema": ema_loss, "train_top1_ema": ema_agree}
