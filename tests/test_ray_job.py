@@ -152,7 +152,9 @@ def test_ray_job_submit_serves_and_stops(head, tiny_models, tmp_path):
             logs = job_logs(head, job_id)
             status = job_status(head, job_id)
             assert status not in ("FAILED", "STOPPED", "SUCCEEDED"), f"job {status}:\n{logs}"
-            return "specdec is serving at" in logs and logs
+            # the JSON line is printed right after "serving at": wait for it too (a log
+            # snapshot taken between the two prints has only the first)
+            return any(line.startswith('{"url"') for line in logs.splitlines()) and logs
 
         logs = wait_for(serving, 600, "specdec ray-up to serve")
         info = json.loads(next(line for line in logs.splitlines() if line.startswith('{"url"')))
