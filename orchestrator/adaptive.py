@@ -266,21 +266,6 @@ class KController:
                         self.decode_on, self.crowd())
 
     # The rating at this controller's snapshot (orchestrator.rating says what each is).
-    def guess_hit(self, k: int, a: float) -> float:
-        return rating.guess_hit(self.snapshot(a), k)
-
-    def miss_rate(self, k: int, a: float, now: bool = False, guess: bool = False) -> float:
-        return rating.miss_rate(self.snapshot(a), k, now, guess)
-
-    def _behind_ms(self, k: int, guess: bool = False) -> float:
-        return rating.behind_ms(self.snapshot(), k, guess)
-
-    def round_ms(self, k: int, a: float, now: bool = False, guess: bool = False) -> float:
-        return rating.round_ms(self.snapshot(a), k, now, guess)
-
-    def raises_throughput(self, k: int, a: float, now: bool = False) -> bool:
-        return rating.raises(self.snapshot(a), k, now)
-
     def rate(self, k: int, a: float | None = None, now: bool = False) -> float:
         return rating.rate(self.snapshot(a), k, now)
 

@@ -8,6 +8,7 @@ from conftest import CPU_LINE, CURVE, call_record, live_costs
 
 from orchestrator import adaptive
 from orchestrator import costs as cost_model
+from orchestrator import rating
 from orchestrator.adaptive import Costs, KController, LookupSizer
 
 
@@ -168,8 +169,9 @@ def test_a_pipelined_miss_drafts_its_block_as_a_sequential_round_would():
     ctl.branching, ctl.cache_hit = True, 0.6
     assert ctl.best_k(0.45) == 2
     assert ctl.best_k(0.45, now=True) == 1
-    assert ctl.round_ms(2, 0.45) < 65.0 < ctl.round_ms(2, 0.45, now=True)
-    assert ctl.round_ms(2, 0.45, now=True) == costs.draft_ms(2) + \
+    snap = ctl.snapshot(0.45)
+    assert rating.round_ms(snap, 2) < 65.0 < rating.round_ms(snap, 2, now=True)
+    assert rating.round_ms(snap, 2, now=True) == costs.draft_ms(2) + \
         costs.verify_ms(2, drafted=True) == 70.0
     sequential = KController(CPU_LINE, [4.0], costs=costs)  # every round is drafted now
     assert sequential.best_k(0.45) == sequential.best_k(0.45, now=True) == 1
@@ -197,13 +199,15 @@ def test_behind_a_verify_a_costly_row_draft_of_high_acceptance_drafts_its_single
     takes 94 ms behind a 65 ms verify, the guess 50. A draft of cheap rows and low acceptance
     keeps the cache (its guess holds 4% of the verdicts, the cache 60%)."""
     ctl = _int8_pipelined()
-    assert ctl._behind_ms(3) == 94.0 and ctl._behind_ms(3, guess=True) == 50.0
+    snap = ctl.snapshot()
+    assert rating.behind_ms(snap, 3) == 94.0 and rating.behind_ms(snap, 3, guess=True) == 50.0
     assert ctl.drafts_guess(3, 0.94)
     k = ctl.best_k(0.94)
     assert k >= 2 and ctl.drafts_guess(k, 0.94)
-    guess_rate = adaptive.expected_tokens(0.94, k) / ctl.round_ms(k, 0.94, guess=True)
-    assert ctl.rate(k, 0.94) == guess_rate > adaptive.expected_tokens(0.94, k) / ctl.round_ms(
-        k, 0.94)
+    snap = ctl.snapshot(0.94)
+    guess_rate = adaptive.expected_tokens(0.94, k) / rating.round_ms(snap, k, guess=True)
+    assert ctl.rate(k, 0.94) == guess_rate > adaptive.expected_tokens(0.94, k) / rating.round_ms(
+        snap, k)
     # a draft miss (drafted now) and rounds under load (no waiting for the draft): no guess
     assert not ctl.drafts_guess(0, 0.94)
     ctl.costs.target_batch = 4.0
@@ -223,13 +227,14 @@ def test_the_guess_is_costed_at_the_verdicts_it_held_not_only_at_a_geometric_gue
     that a^(k+1) promised, the prediction follows what they held, and the cache comes back;
     guesses that hold bring the guess back."""
     ctl = _int8_pipelined(prior_a=0.94, prior_weight=1000.0)
-    assert ctl.guess_hit(3, 0.94) == pytest.approx(0.94 ** 4) and ctl.drafts_guess(3)
+    assert rating.guess_hit(ctl.snapshot(0.94), 3) == pytest.approx(0.94 ** 4) and \
+        ctl.drafts_guess(3)
     for _ in range(40):
         ctl.observe_guess(3, False)
-    assert ctl.guess_hit(3, 0.94) < 0.1 and not ctl.drafts_guess(3)
+    assert rating.guess_hit(ctl.snapshot(0.94), 3) < 0.1 and not ctl.drafts_guess(3)
     for _ in range(40):
         ctl.observe_guess(3, True)
-    assert ctl.guess_hit(3, 0.94) > 0.7 and ctl.drafts_guess(3)
+    assert rating.guess_hit(ctl.snapshot(0.94), 3) > 0.7 and ctl.drafts_guess(3)
 
 
 def test_on_shared_cores_a_lone_generation_starts_from_what_its_predecessors_saw():

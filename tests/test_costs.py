@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from orchestrator import adaptive
+from orchestrator import adaptive, rating
 from orchestrator import costs as cost_model
 from orchestrator.adaptive import KController
 from conftest import CPU_LINE, CURVE, FLAT, call_record, live_costs, pipelined_controller
@@ -178,7 +178,7 @@ def test_under_load_a_block_drafted_between_calls_must_raise_the_targets_through
     for ctl in (KController(CPU_LINE, [6.0], costs=pipelined_controller(CPU_LINE, 2.0, 0.5).costs),
                 pipelined_controller(CPU_LINE, 2.0, 0.5)):
         ctl.branching = False
-        assert ctl.waits_for_draft() and not ctl.raises_throughput(1, 0.5)
+        assert ctl.waits_for_draft() and not rating.raises(ctl.snapshot(0.5), 1)
         assert ctl.best_k(0.5) == 0
 
 
@@ -192,10 +192,10 @@ def test_under_load_pipelined_rounds_with_the_cache_never_wait_for_the_draft():
     1 / 53 (k = 0): 1.19x, past the margin of 1.06; at 10% hits 1.05 / 54.2: 1.03x, no
     block. Alone a miss drafts now, as a sequential round."""
     ctl = pipelined_controller(CPU_LINE, 2.0, 0.8)
-    assert not ctl.waits_for_draft() and ctl.miss_rate(1, 0.5, now=True) == 0.0
+    assert not ctl.waits_for_draft() and rating.miss_rate(ctl.snapshot(0.5), 1, now=True) == 0.0
     assert ctl.best_k(0.5, now=True) == 0
     assert ctl.rate(1, 0.5) == pytest.approx(1.4 / 62.6)
-    assert ctl.raises_throughput(1, 0.5) and ctl.best_k(0.5) >= 1
+    assert rating.raises(ctl.snapshot(0.5), 1) and ctl.best_k(0.5) >= 1
     assert pipelined_controller(CPU_LINE, 2.0, 0.1).best_k(0.5) == 0
     alone = pipelined_controller(CPU_LINE, 1.0, 0.8)
     assert alone.waits_for_draft() and alone.best_k(0.5, now=True) >= 1
@@ -237,7 +237,7 @@ def test_a_flat_pass_keeps_speculation_under_load_where_the_cache_holds_the_verd
     assert pipelined_controller(FLAT, 16.0, 0.9, gpu_draft).best_k(0.7) > 0
     assert pipelined_controller(FLAT, 16.0, 0.5, gpu_draft).best_k(0.3) == 0
     sequential = KController(FLAT, [1.0], costs=pipelined_controller(FLAT, 16.0, 0.9, gpu_draft).costs)
-    assert sequential.miss_rate(2, 0.7) == 1.0 and sequential.best_k(0.7) == 0
+    assert rating.miss_rate(sequential.snapshot(0.7), 2) == 1.0 and sequential.best_k(0.7) == 0
 
 
 def test_probes_of_a_draft_that_never_pays_grow_rarer_under_load_and_after_each_miss():

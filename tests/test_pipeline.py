@@ -6,6 +6,7 @@ import pytest
 import torch
 from conftest import generate_on, run
 
+from orchestrator import rating
 from orchestrator.adaptive import KController, expected_tokens
 from specdec.config import SamplingParams
 from specdec.serving.sampling import process_logits
@@ -105,7 +106,7 @@ def test_k_controller_maximises_expected_rate():
     ctl = KController([50, 55, 58, 60, 63, 66, 70, 74, 78], [5.0])
     for a in (0.2, 0.5, 0.8):
         best = ctl.best_k(a)
-        rates = [expected_tokens(a, k) / ctl.round_ms(k, a) for k in range(9)]
+        rates = [expected_tokens(a, k) / rating.round_ms(ctl.snapshot(a), k) for k in range(9)]
         assert rates[best] == max(rates)
 
 
