@@ -42,6 +42,10 @@ def register(sub) -> None:
                    help="plain target steps per call in rounds with no block, as `specdec "
                         "generate --decode-on` (default %(default)s; the "
                         "specdec-target-only-stepwise system always 0)")
+    b.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
+                   help="the specdec services' CPU numerics on a GGUF target (default "
+                        "%(default)s: their greedy ids are checked against specdec "
+                        "target-only's, and against HF's where the target computes float)")
     b.add_argument("--out", default="bench/out", help="directory for the JSON and PNG plots")
     b.add_argument("--json", action="store_true", help="also print the summary as JSON")
     b.add_argument("--concurrency", help="e.g. 1,2,4,8,16: throughput/latency vs concurrent "
@@ -133,10 +137,14 @@ def cmd_bench(args) -> int:
                                 cores["target"] if cores else None)
         external.update({s: cpp for s in LLAMACPP_SYSTEMS})
     spd = SpecdecSystems(args.target, args.draft, args.threads, systems, cores=cores, rtts=rtts,
-                         decode_on=args.decode_on)
+                         decode_on=args.decode_on, numerics=args.numerics)
     runs: list[Run] = []
     try:
         spd.connect()
+        reference = BASELINE if spd.numerics == "float" else "specdec-target-only"
+        if reference not in systems:  # every specdec result is checked against it
+            systems.insert(1, reference)
+            runs_of.insert(1, (reference, rtts[0]))
         warm = encode_prompt(hf.tokenizer, "Hello!", None)
         for system, rtt in runs_of:  # warm-up, not recorded
             _run_one(system, external, spd, warm, 8, args.k, rtt)
@@ -155,7 +163,7 @@ def cmd_bench(args) -> int:
     finally:
         spd.close()
     names = [system_name(s, r) for s, r in runs_of]
-    summary = report.summarize(runs, names, list(sets), target_ms)
+    summary = report.summarize(runs, names, list(sets), target_ms, reference)
     if args.bound:
         summary["streaming_bound"] = llamacpp.streaming_bound(
             args.target, sorted({1, base_threads or os.cpu_count() or 1}))
@@ -189,11 +197,11 @@ def _report(args, runs, summary: dict, target_ms, separation) -> int:
         print(f"wrote {path}")
     if args.json:
         print(json.dumps(summary, indent=2))
-    mismatches = summary["mismatches"]
+    mismatches, reference = summary["mismatches"], REFERENCE_NAMES[summary["reference"]]
     if mismatches:
-        print(f"MISMATCH: {len(mismatches)} runs differ from HF target-only: {mismatches[:5]}")
+        print(f"MISMATCH: {len(mismatches)} runs differ from {reference}: {mismatches[:5]}")
         return 1
-    print("all systems' greedy token ids equal HF target-only's")
+    print(f"all specdec systems' greedy token ids equal {reference}'s")
     return 0
 
 
@@ -217,7 +225,8 @@ def cmd_concurrency(args) -> int:
     hf = HFGenerate(args.target, None, args.hf_threads or (len(cores["target"]) if cores else 0),
                     cores=cores["target"] if cores else None)
     spd = SpecdecSystems(args.target, args.draft, args.threads,
-                         list(concurrency.SYSTEMS[1:]), cores=cores, decode_on=args.decode_on)
+                         list(concurrency.SYSTEMS[1:]), cores=cores, decode_on=args.decode_on,
+                         numerics=args.numerics)
     try:
         spd.connect()
         ids = [encode_prompt(hf.tokenizer, p, None) for p in prompts]
@@ -236,11 +245,12 @@ def cmd_concurrency(args) -> int:
     (out / "concurrency.json").write_text(json.dumps(summary, indent=1))
     print(concurrency.table(summary))
     print(f"wrote {concurrency.plot(summary, out)}")
-    bad = sum(r["mismatches"] for r in summary["rows"])
+    bad, reference = sum(r["mismatches"] for r in summary["rows"]), \
+        REFERENCE_NAMES[summary["reference"]]
     if bad:
-        print(f"MISMATCH: {bad} answers differ from HF target-only")
+        print(f"MISMATCH: {bad} answers differ from {reference}")
         return 1
-    print("every answer's greedy token ids equal HF target-only's")
+    print(f"every specdec answer's greedy token ids equal {reference}'s")
     return 0
 
 
@@ -305,6 +315,10 @@ def split_cores(spec: str, n_cores: int) -> dict[str, list[int]]:
     if max(target + draft) >= n_cores:
         raise SystemExit(f"error: --split {spec}: this machine has cores 0-{n_cores - 1}")
     return {"target": target, "draft": draft}
+
+
+# the bench's exactness reference, by its system name
+REFERENCE_NAMES = {"hf": "HF target-only", "specdec-target-only": "specdec target-only"}
 
 
 def cmd_bench_verify(args) -> int:

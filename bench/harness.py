@@ -15,6 +15,7 @@ import os
 import pathlib
 
 from orchestrator.generation import DECODE_ON
+from specdec.config import DEFAULT_NUMERICS
 from bench.llamacpp import SYSTEMS as LLAMACPP_SYSTEMS
 from specdec.models.hf_generate import SYSTEMS as HF_SYSTEMS
 
@@ -91,11 +92,12 @@ class SpecdecSystems:
 
     def __init__(self, target: str, draft: str, threads: int, systems: list[str],
                  cores: dict[str, list[int]] | None = None, rtts: list[float] = (0.0,),
-                 decode_on: int = DECODE_ON):
+                 decode_on: int = DECODE_ON, numerics: str = DEFAULT_NUMERICS):
         """``cores``: {"target": [...], "draft": [...]} to pin each service (split topology;
         threads then default to the cores given). ``rtts``: round trips in ms added between
         the orchestrator and every service (a delaying proxy per service and value).
-        ``decode_on``: the orchestrators' (--decode-on; the -stepwise system's is 0)."""
+        ``decode_on``: the orchestrators' (--decode-on; the -stepwise system's is 0).
+        ``numerics``: every service's (--numerics; what runs is ``self.numerics``)."""
         from orchestrator.local import ServiceProcess, service_args
 
         self.decode_on = decode_on
@@ -103,7 +105,7 @@ class SpecdecSystems:
 
         def args(role, model, extra=()):
             n = threads or len(cores.get(role, ())) or 0
-            return service_args(model, n, list(extra))
+            return service_args(model, n, ["--numerics", numerics, *extra])
 
         wanted = {"target": ("target", args("target", target))}
         if any(SPECDEC_RUNS[s][0] == "draft" for s in systems if s in SPECDEC_RUNS):
@@ -165,6 +167,12 @@ class SpecdecSystems:
                     t, d, tokenizer_spec=self.target_spec, shared_cores=not self.split,
                     decode_on=steps))
                 self.orchestrators[(name, rtt)] = orch
+
+    @property
+    def numerics(self) -> str:
+        """What the target computes: "float" (transformers' numbers: HF's greedy text is the
+        reference) or "integer" (a GGUF target on CPU: specdec's own target-only text is)."""
+        return self.orchestrators[("target", self.rtts[0])].target.info.numerics
 
     @property
     def target_forward_ms(self) -> list[float]:

@@ -14,14 +14,21 @@ SPEC_SYSTEMS = ("specdec-spec", "specdec-pipelined", "specdec-ngram")
 OWN_NUMERICS = ("llamacpp", "llamacpp-prompt-lookup")
 
 
-def summarize(runs, systems: list[str], sets: list[str], target_ms: list[float]) -> dict:
+def summarize(runs, systems: list[str], sets: list[str], target_ms: list[float],
+              reference: str = "hf") -> dict:
+    """Speeds against HF's, and the runs whose token ids differ from ``reference``'s: HF's
+    where specdec computes transformers' float32, "specdec-target-only" where its target runs
+    integer numerics (then every system's text is compared with HF's as agreement)."""
     by = collections.defaultdict(list)
     for r in runs:
         by[(r.system, r.prompt_set)].append(r)
-    ref = {(r.prompt_set, r.prompt_index): r.token_ids for r in runs if r.system == "hf"}
+    ref = {(r.prompt_set, r.prompt_index): r.token_ids for r in runs if r.system == reference}
+    hf = {(r.prompt_set, r.prompt_index): r.token_ids for r in runs if r.system == "hf"}
+    own = set(OWN_NUMERICS) | ({s for s in systems if s.startswith("specdec")}
+                               if reference != "hf" else set())
     mismatches = [
         (r.system, r.prompt_set, r.prompt_index) for r in runs
-        if r.system not in ("hf", *OWN_NUMERICS)
+        if r.system not in ("hf", reference, *OWN_NUMERICS)
         and r.token_ids != ref.get((r.prompt_set, r.prompt_index))
     ]
     rows = []
@@ -42,10 +49,10 @@ def summarize(runs, systems: list[str], sets: list[str], target_ms: list[float])
             row = dict(system=system, prompt_set=s, prompts=len(rs), tokens=tokens,
                        tokens_per_s=tps, speedup=tps / base_tps,
                        min_prompt_speedup=min(per_prompt) if per_prompt else None)
-            if system in OWN_NUMERICS:  # tokens before the first difference from HF's
+            if system in own:  # tokens before the first difference from HF's
                 row["agreement_with_hf"] = sum(
-                    agreement(r.token_ids, ref.get((s, r.prompt_index), [])) for r in rs
-                ) / max(sum(len(ref.get((s, r.prompt_index), [])) for r in rs), 1)
+                    agreement(r.token_ids, hf.get((s, r.prompt_index), [])) for r in rs
+                ) / max(sum(len(hf.get((s, r.prompt_index), [])) for r in rs), 1)
             drafted = sum(r.draft_tokens for r in rs)
             rounds = sum(r.rounds for r in rs)
             if rounds:
@@ -66,7 +73,8 @@ def summarize(runs, systems: list[str], sets: list[str], target_ms: list[float])
                     # best possible with the draft fully hidden: E[tokens/round] / T_verify(k+1)
                     row["bound_tokens_per_s"] = 1000.0 * expected_tokens(a, k) / target_ms[k]
             rows.append(row)
-    return {"rows": rows, "mismatches": mismatches, "target_forward_ms": target_ms}
+    return {"rows": rows, "mismatches": mismatches, "target_forward_ms": target_ms,
+            "reference": reference}
 
 
 def bound_line(bound: dict, target_ms: list[float]) -> str:

@@ -340,13 +340,15 @@ def child_pids(pid: int) -> set[int]:
 @pytest.fixture(scope="module")
 def serve_with_key(tmp_path_factory):
     """`specdec serve` on the real default pair (it starts its services), with API key KEY:
-    (process, base URL, log path)."""
+    (process, base URL, log path). Float numerics, so that answers are HF's greedy text
+    (tests/test_real_pair.py checks the default, integer, against specdec target-only)."""
     d = tmp_path_factory.mktemp("serve")
     port_file, log_path = d / "port", d / "log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.cli", "serve", "--port", "0", "--port-file",
-             str(port_file), "--api-key", KEY], stdout=log, stderr=subprocess.STDOUT)
+             str(port_file), "--api-key", KEY, "--numerics", "float"], stdout=log,
+            stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{wait_for_port_file(proc, port_file, log_path, 900)}"
         yield proc, url, log_path

@@ -21,7 +21,7 @@ def test_bench_prints_the_table_writes_json_and_plots_and_checks_every_system(tm
          "--out", str(out)],
         capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "all systems' greedy token ids equal HF target-only's" in proc.stdout
+    assert "all specdec systems' greedy token ids equal HF target-only's" in proc.stdout
     table = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
     for system in systems.split(","):
         assert any(f"| {system} |" in line for line in table), system
@@ -48,7 +48,7 @@ def test_bench_split_times_the_cores_separation_then_runs_each_service_on_its_ow
                   tiny_models["target"], "--draft", tiny_models["near_draft"],
                   "--max-new-tokens", "8", "--systems", "hf,specdec-target-only,specdec-spec",
                   "--split", "1:0", "--k", "2", "--out", str(out))
-    assert "all systems' greedy token ids equal HF target-only's" in stdout
+    assert "all specdec systems' greedy token ids equal HF target-only's" in stdout
     assert "split cores' separation before the runs" in stdout
     summary = json.loads((out / "bench.json").read_text())["summary"]
     assert summary["split"] == {"target": [1], "draft": [0]}
@@ -117,7 +117,7 @@ def test_bench_concurrency_runs_every_system_at_every_level_against_target_only(
                   # a round trip per plain token: on the tiny pair, whose calls cost more than
                   # its passes, decoding on beats any block, so spec would never draft
                   "--decode-on", "0")
-    assert "every answer's greedy token ids equal HF target-only's" in stdout
+    assert "every specdec answer's greedy token ids equal HF target-only's" in stdout
     assert "vs specdec-target-only" in stdout
     data = json.loads((out / "concurrency.json").read_text())
     rows = {(r["system"], r["concurrency"]): r for r in data["rows"]}
@@ -240,6 +240,29 @@ def test_llamacpp_systems_are_compared_by_agreement_not_counted_as_mismatches():
     assert "| llamacpp (agrees on 50%) |" in table(summary)
 
 
+def test_under_integer_numerics_specdec_target_only_is_the_reference():
+    """A GGUF target on CPU computes integer numerics (the default): its text is not HF's
+    float32, so every specdec system is checked against specdec target-only and compared with
+    HF as agreement; a system departing from target-only is still a mismatch."""
+    from bench.harness import Run
+    from bench.report import summarize
+
+    def run(system, tokens, i=0):
+        return Run(system=system, prompt_set="s", prompt_index=i, token_ids=tokens, wall_s=1.0)
+
+    systems = ["hf", "specdec-target-only", "specdec-spec", "specdec-pipelined"]
+    runs = [run("hf", [1, 2, 3, 4]), run("specdec-target-only", [1, 2, 7, 7]),
+            run("specdec-spec", [1, 2, 7, 7]), run("specdec-pipelined", [1, 2, 7, 8])]
+    summary = summarize(runs, systems, ["s"], [], reference="specdec-target-only")
+    assert summary["mismatches"] == [("specdec-pipelined", "s", 0)]
+    assert summary["reference"] == "specdec-target-only"
+    rows = {r["system"]: r for r in summary["rows"]}
+    assert rows["specdec-spec"]["agreement_with_hf"] == 0.5
+    assert "agreement_with_hf" not in rows["hf"]
+    # against HF (float numerics) the same runs are three mismatches
+    assert len(summarize(runs, systems, ["s"], [])["mismatches"]) == 3
+
+
 def test_the_streaming_bound_reads_the_gguf_tensors_and_the_machine_bandwidth():
     from bench.llamacpp import streaming_bound, weight_bytes
     from bench.report import bound_line
@@ -274,3 +297,26 @@ def test_bench_runs_llamacpp_on_the_default_gguf(tmp_path):
     for system in ("llamacpp", "llamacpp-prompt-lookup"):
         row = next(r for r in rows if r["system"] == system)
         assert row["tokens"] > 0 and row["agreement_with_hf"] >= 0.5, row
+
+
+@pytest.mark.real
+def test_on_the_default_target_bench_checks_against_specdec_target_only(tmp_path):
+    """The real pair in its default integer numerics: `specdec bench` adds specdec
+    target-only as the reference and passes only if every specdec run equals it; the
+    concurrency sweep does the same (HF is timed, not checked)."""
+    out = tmp_path / "out"
+    stdout = _cli("bench", "--prompts", "default", "--limit", "1", "--max-new-tokens", "8",
+                  "--systems", "hf,specdec-spec", "--threads", "1", "--hf-threads", "1",
+                  "--out", str(out))
+    assert "all specdec systems' greedy token ids equal specdec target-only's" in stdout
+    summary = json.loads((out / "bench.json").read_text())["summary"]
+    assert summary["reference"] == "specdec-target-only" and not summary["mismatches"]
+    rows = {r["system"]: r for r in summary["rows"]}
+    assert set(rows) == {"hf", "specdec-target-only", "specdec-spec"}
+    assert 0.0 <= rows["specdec-spec"]["agreement_with_hf"] <= 1.0
+    stdout = _cli("bench", "--concurrency", "1", "--prompts", "default", "--limit", "1",
+                  "--max-new-tokens", "8", "--threads", "1", "--hf-threads", "1",
+                  "--requests-per-client", "1", "--out", str(out))
+    assert "every specdec answer's greedy token ids equal specdec target-only's" in stdout
+    assert json.loads((out / "concurrency.json").read_text())["reference"] == \
+        "specdec-target-only"

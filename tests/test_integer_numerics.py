@@ -246,10 +246,10 @@ def test_integer_numerics_stay_close_to_float_and_apply_only_with_codes(tiny_mod
 
 
 def test_a_service_config_names_its_numerics():
-    """``numerics`` is one of config.NUMERICS, float by default; anything else is refused."""
+    """``numerics`` is one of config.NUMERICS, integer by default; anything else is refused."""
     from specdec.config import ServiceConfig
 
-    assert ServiceConfig(model="default", role="target").numerics == "float"
+    assert ServiceConfig(model="default", role="target").numerics == "integer"
     assert ServiceConfig(model="default", role="target", numerics="integer").numerics == \
         "integer"
     with pytest.raises(ValueError, match="numerics must be one of float, integer"):

@@ -79,6 +79,7 @@ def _model_info(config: ServiceConfig, engine, tokenizer, hf_config) -> ServiceI
         max_context=engine.arch.max_context,
         eos_token_ids=eos_token_ids(tokenizer, hf_config),
         forward_ms=[],
+        numerics=engine.numerics,
     )
 
 

@@ -55,11 +55,11 @@ def add_service_arguments(parser, default_model: str) -> None:
                              "transposed weight, mkl-t) and prepacked oneDNN at start and keeps "
                              "the fastest at each number of rows (default)")
     parser.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
-                        help="how quantized (GGUF-coded) linear layers compute on CPU: float "
-                             "(float32 on the weights the codes encode, transformers' numbers "
-                             "within rounding) or integer (llama.cpp's int8 dot products: "
-                             "every position's logits the same bits in any pass; default "
-                             "%(default)s)")
+                        help="how quantized (GGUF-coded) linear layers compute on CPU: "
+                             "integer (llama.cpp's int8 dot products: every position's logits "
+                             "the same bits in any pass) or float (float32 on the weights the "
+                             "codes encode, transformers' numbers within rounding); default "
+                             "%(default)s")
     parser.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE,
                         help="weights, activations and KV cache: auto (default: bfloat16 on "
                              "CUDA, float32 on CPU, where specdec's kernels are float32), "

@@ -37,6 +37,7 @@ class ServiceInfo:
     eos_token_ids: list[int]
     forward_ms: list[float]
     drafter: str = "model"
+    numerics: str = ""  # what the model computes (engine.numerics); "" for the n-gram drafter
 
 
 def calibrate(engine: LlamaEngine, max_tokens: int = 16, context: int = 128, reps: int = 5) -> list[float]:

@@ -196,7 +196,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "role", "tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_ids", "forward_ms", "drafter")
+    __slots__ = ("model", "role", "tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_ids", "forward_ms", "drafter", "numerics")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,7 @@ class ModelInfo(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    NUMERICS_FIELD_NUMBER: _ClassVar[int]
     model: str
     role: str
     tokenizer_fingerprint: str
@@ -213,7 +214,8 @@ class ModelInfo(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     forward_ms: _containers.RepeatedScalarFieldContainer[float]
     drafter: str
-    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., forward_ms: _Optional[_Iterable[float]] = ..., drafter: _Optional[str] = ...) -> None: ...
+    numerics: str
+    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., forward_ms: _Optional[_Iterable[float]] = ..., drafter: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
