@@ -105,7 +105,7 @@ def test_a_block_pass_agrees_with_one_token_passes_within_the_stated_bound(kerne
     logits; measured up to ~6e-5), so tokens can differ only where two logits are that close."""
     from specdec.models.loading import load_engine
 
-    engine, _, _ = load_engine("default", torch.device("cpu"), kernels)
+    engine, _, _ = load_engine("default", torch.device("cpu"), kernels, "float")
     prompt = torch.arange(120) % 5000 + 100
     block = torch.tensor([504, 3575, 282, 4649, 314])
     ctx = engine.new_cache()

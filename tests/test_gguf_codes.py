@@ -114,7 +114,8 @@ def test_the_default_target_on_its_codes_is_the_float32_target_bit_for_bit(threa
     try:
         model, _ = load_hf_model("default")
         fp32 = LlamaEngine.from_hf(model, "cpu", "smallm")
-        coded = LlamaEngine.from_hf(model, "cpu", "smallm", gguf=default_gguf_path())
+        coded = LlamaEngine.from_hf(model, "cpu", "smallm", gguf=default_gguf_path(),
+                                    numerics="float")
         # (the layers are Q4_1: 4-bit codes; the tied embedding and head Q8_0: 8-bit)
         assert all(layer[n].bits == 4 for layer in coded.layers
                    for n in ("qkv", "o", "gate_up", "down")) and coded.head.bits == 8
@@ -170,7 +171,7 @@ def test_the_shipped_draft_streams_its_stored_int8_for_the_same_logits(threads):
     torch.set_num_threads(threads)
     try:
         path = draft_model.shipped_draft_dir()
-        coded, _, _ = draft_model.load_engine(path, "cpu", "smallm")
+        coded, _, _ = draft_model.load_engine(path, "cpu", "smallm", numerics="float")
         assert all(layer[n].bits == 8 for layer in coded.layers
                    for n in ("qkv", "o", "gate_up", "down")) and coded.head.bits == 8
         meta, weights = draft_model.load_weights(path)

@@ -227,6 +227,31 @@ def test_an_integer_engines_logits_are_the_same_bits_in_any_pass(tiny_models, th
 
 
 @needs_smallm
+def test_the_thread_count_does_not_change_a_bit(tiny_models):
+    """The whole stack on one thread and on a team of two (threads started once a pass,
+    attention split by query head, layerops.c's team_layers): the same logits, bit for bit,
+    for a pass of three sessions' prefills, blocks and steps, in both numerics."""
+    before = torch.get_num_threads()
+    try:
+        for numerics in ("integer", "float"):
+            engine = coded_engine(tiny_models, numerics)
+            assert engine._whole_stack(1) and engine._whole_stack(9)
+            outs = []
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                caches = [engine.new_cache() for _ in range(3)]
+                first = engine.forward(caches[:2], [torch.arange(100, 140), torch.arange(7, 30)],
+                                       [1, 1])
+                outs.append(first + engine.forward(
+                    caches, [torch.arange(500, 509), torch.arange(3, 4), torch.arange(1, 60)],
+                    [9, 1, 5]))
+            for a, b in zip(*outs):
+                assert torch.equal(a, b), numerics
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_smallm
 def test_integer_numerics_stay_close_to_float_and_apply_only_with_codes(tiny_models):
     """The integer engine's logits stay near the float engine's on the same codes (the tiny
     model's logits are ~+-20: within 2%), and a model without codes computes in float."""

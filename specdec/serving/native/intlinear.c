@@ -34,6 +34,9 @@
 #endif
 
 void sd_panel_share(int panels, int t, int n, int *p0, int *p1);  /* smallm.c's split */
+void sd_linear_int_panels(const signed char *xq, const float *dxs, const int *xsum,
+                          const unsigned char *wq, const float *dm, const float *bias, float *y,
+                          int M, int K, int N, int bits, int panel, int p0, int p1);
 
 #define IGROUP 32  /* k per block (GGUF's), as smallm.c's SD_GROUP */
 #define IPREFETCH 768  /* bytes ahead along a panel's stream (smallm.c's PREFETCH_Q8_BYTES) */
@@ -224,11 +227,7 @@ int sd_linear_int(const float *x, const unsigned char *wq, const float *dm, cons
     {
       int p0, p1;
       sd_panel_share(panels, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
-      if (p0 < p1) {
-        int c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
-        linear_int(xq, dxs, xsum, wq + p0 * panel_bytes, dm + (long)p0 * groups * 2 * panel,
-                   bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N, bits, panel, path);
-      }
+      sd_linear_int_panels(xq, dxs, xsum, wq, dm, bias, y, M, K, N, bits, panel, p0, p1);
     }
     free(scratch);
     return 0;
@@ -239,6 +238,18 @@ int sd_linear_int(const float *x, const unsigned char *wq, const float *dm, cons
   linear_int(xq, dxs, xsum, wq, dm, bias, y, M, K, N, N, bits, panel, path);
   free(scratch);
   return 0;
+}
+
+// Panels [p0, p1) of the product on rows already quantized (sd_quantize_rows): one thread's
+// share, the columns they hold into y's.
+void sd_linear_int_panels(const signed char *xq, const float *dxs, const int *xsum,
+                          const unsigned char *wq, const float *dm, const float *bias, float *y,
+                          int M, int K, int N, int bits, int panel, int p0, int p1) {
+  if (p0 >= p1) return;
+  int groups = K / IGROUP, c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
+  linear_int(xq, dxs, xsum, wq + p0 * ((long)K * panel * bits / 8),
+             dm + (long)p0 * groups * 2 * panel, bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N,
+             bits, panel, sd_int_path(panel));
 }
 
 // The activation quantization alone (tests compare it with their own): xq [M, K], dxs

@@ -19,6 +19,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define LANES 16  // independent partial sums: vectorised without reassociating float adds
 // 16 floats (one AVX-512 register, two AVX2, four SSE), loaded unaligned
@@ -91,6 +94,15 @@ void sd_linear_g4(const float *x, const unsigned char *wq, const float *dm, cons
                   float *y, int M, int K, int N, int panel, int threads);
 int sd_linear_int(const float *x, const unsigned char *wq, const float *dm, const float *bias,
                   float *y, int M, int K, int N, int bits, int panel, int threads);
+// their pieces, for a team of threads already running (team_layers below)
+void sd_panel_share(int panels, int t, int n, int *p0, int *p1);
+void sd_linear_panels(const float *x, const void *wp, int bits, const float *dm,
+                      const float *scale, const float *bias, float *y, int M, int K, int N,
+                      int panel, int p0, int p1);
+void sd_quantize_rows(const float *x, int M, int K, signed char *xq, float *dxs, int *xsum);
+void sd_linear_int_panels(const signed char *xq, const float *dxs, const int *xsum,
+                          const unsigned char *wq, const float *dm, const float *bias, float *y,
+                          int M, int K, int N, int bits, int panel, int p0, int p1);
 
 // One linear layer on smallm: its packed panels, column scales (int8 weights) or groups' d and
 // m (grouped codes of ``bits`` 8 or 4; both NULL: float32), bias (or NULL), input and output
@@ -125,6 +137,103 @@ static int lin(const sd_lin *l, const float *x, float *y, int n, int panel, int 
   return 0;
 }
 
+#ifdef _OPENMP
+// A team's integer products share one quantization of each layer input.
+typedef struct {
+  signed char *xq;
+  float *dxs;
+  int *xsum;
+} qrows;
+
+// One linear layer by a running team: thread t of nt computes its share of the panels, the
+// split of smallm.c's run() (all on thread 0 below 8 panels a thread), after one thread has
+// quantized the rows for the integer product. Every thread returns once y is complete.
+static void team_lin(const sd_lin *l, const float *x, float *y, int n, int panel, int t, int nt,
+                     const qrows *q) {
+  int panels = (int)((l->n + panel - 1) / panel), share = panels >= 8 * nt ? nt : 1;
+  int p0 = 0, p1 = 0;
+  if (t < share) sd_panel_share(panels, t, share, &p0, &p1);
+  if (l->integer) {
+#pragma omp single
+    sd_quantize_rows(x, n, (int)l->k, q->xq, q->dxs, q->xsum);
+    sd_linear_int_panels(q->xq, q->dxs, q->xsum, l->w, l->dm, l->bias, y, n, (int)l->k,
+                         (int)l->n, (int)l->bits, panel, p0, p1);
+  } else {
+    int bits = l->dm ? (int)l->bits : l->scale ? 8 : 32;
+    sd_linear_panels(x, l->w, bits, l->dm, l->scale, l->bias, y, n, (int)l->k, (int)l->n,
+                     panel, p0, p1);
+  }
+#pragma omp barrier
+}
+
+// sd_layers with its threads started once for the whole pass, not once per linear layer
+// (~120 starts and joins a forward), and attention split between them by query head: the
+// same functions on the same numbers, so every output is the same bits as sd_layers' one
+// thread's (a column or a head is computed whole by whichever thread has it).
+static int team_layers(float *x, int n, int hidden, const sd_layer *layers, int num_layers,
+                       float eps, int sessions, const int *offsets, const int *lengths,
+                       float *const *kcs, float *const *vcs, const long *layer_strides,
+                       const long *head_strides, const float *cos, const float *sin,
+                       float scale, int hq, int hkv, int d, int panel, int threads) {
+  long ld = layers[0].qkv.n, inter = layers[0].down.k, half = d / 2;
+  long kmax = hidden > inter ? hidden : inter;
+  kmax = kmax > (long)hq * d ? kmax : (long)hq * d;
+  float *h = malloc(sizeof(float) * n * (2 * hidden + ld + (long)hq * d + 3 * inter));
+  char *qmem = malloc((size_t)n * kmax + (sizeof(float) * 2 + sizeof(int)) * n * (kmax / 32));
+  if (!h || !qmem) {
+    free(h);
+    free(qmem);
+    return -1;
+  }
+  qrows q = {(signed char *)qmem + (sizeof(float) * 2 + sizeof(int)) * n * (kmax / 32),
+             (float *)qmem, (int *)(qmem + sizeof(float) * 2 * n * (kmax / 32))};
+  float *delta = h + (long)n * hidden, *qkv = delta + (long)n * hidden, *attn = qkv + n * ld;
+  float *gate_up = attn + (long)n * hq * d, *act = gate_up + 2 * n * inter;
+  int items = sessions * hq;  // (session, query head) pairs, split between the threads
+#pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int first = (int)((long)items * t / nt), last = (int)((long)items * (t + 1) / nt);
+    for (int li = 0; li < num_layers; li++) {
+      const sd_layer *L = layers + li;
+#pragma omp single
+      sd_add_rms_norm(x, li ? delta : 0, L->attn_norm, h, n, hidden, eps);
+      team_lin(&L->qkv, h, qkv, n, panel, t, nt, &q);
+#pragma omp single
+      for (int i = 0; i < sessions; i++) {
+        int s = offsets[i];
+        DISPATCH(attend_store, qkv + s * ld, (int)ld, offsets[i + 1] - s, cos + s * half,
+                 sin + s * half, kcs[i] + li * layer_strides[i], vcs[i] + li * layer_strides[i],
+                 head_strides[i], lengths[i], hq, hkv, d)
+      }
+      for (int i = 0; i < sessions; i++) {
+        int h0 = first > i * hq ? first - i * hq : 0;
+        int h1 = last < (i + 1) * hq ? last - i * hq : hq;
+        if (h0 >= h1) continue;
+        int s = offsets[i];
+        DISPATCH(attend_heads, qkv + s * ld, (int)ld, offsets[i + 1] - s, cos + s * half,
+                 sin + s * half, kcs[i] + li * layer_strides[i], vcs[i] + li * layer_strides[i],
+                 head_strides[i], lengths[i], (int)L->window, scale, hq, hkv, d,
+                 attn + (long)s * hq * d, h0, h1)
+      }
+#pragma omp barrier
+      team_lin(&L->o, attn, delta, n, panel, t, nt, &q);
+#pragma omp single
+      sd_add_rms_norm(x, delta, L->mlp_norm, h, n, hidden, eps);
+      team_lin(&L->gate_up, h, gate_up, n, panel, t, nt, &q);
+#pragma omp single
+      sd_silu_mul(gate_up, act, n, (int)inter);
+      team_lin(&L->down, act, delta, n, panel, t, nt, &q);
+    }
+  }
+  if (num_layers)
+    for (long j = 0; j < (long)n * hidden; j++) x[j] += delta[j];
+  free(h);
+  free(qmem);
+  return 0;
+}
+#endif
+
 // Every decoder layer of a pass in one call: the engine's native path when all of a plain
 // Llama block's linear layers run on smallm, the same ops in the same order as its per-layer
 // Python loop (_native_block) without its ~45 us per layer of dispatch (1.4 ms of the int8
@@ -137,6 +246,12 @@ int sd_layers(float *x, int n, int hidden, const sd_layer *layers, int num_layer
               float *const *vcs, const long *layer_strides, const long *head_strides,
               const float *cos, const float *sin, float scale, int hq, int hkv, int d,
               int panel, int threads) {
+#ifdef _OPENMP
+  if (threads > 1)
+    return team_layers(x, n, hidden, layers, num_layers, eps, sessions, offsets, lengths, kcs,
+                       vcs, layer_strides, head_strides, cos, sin, scale, hq, hkv, d, panel,
+                       threads);
+#endif
   long ld = layers[0].qkv.n, inter = layers[0].down.k, half = d / 2;
   float *h = malloc(sizeof(float) * n * (2 * hidden + ld + (long)hq * d + 3 * inter));
   if (!h) return -1;
@@ -236,11 +351,12 @@ static inline void SFX(rope)(const float *x, const float *cos, const float *sin,
   }
 }
 
-static void SFX(attend)(const float *qkv, int ld, int t, const float *cos, const float *sin,
-                        float *kc, float *vc, long head_stride, int n0, int window, float scale,
-                        int hq, int hkv, int d, float *out) {
-  int half = d / 2, group = hq / hkv;
-  for (int r = 0; r < t; r++) {  // the new keys (rotated) and values into the cache
+// The new keys (rotated) and values into the cache.
+static void SFX(attend_store)(const float *qkv, int ld, int t, const float *cos,
+                              const float *sin, float *kc, float *vc, long head_stride, int n0,
+                              int hq, int hkv, int d) {
+  int half = d / 2;
+  for (int r = 0; r < t; r++) {
     const float *row = qkv + (long)r * ld;
     for (int h = 0; h < hkv; h++) {
       long at = h * head_stride + (long)(n0 + r) * d;
@@ -249,13 +365,21 @@ static void SFX(attend)(const float *qkv, int ld, int t, const float *cos, const
       memcpy(vc + at, row + (long)(hq + hkv + h) * d, d * sizeof(float));
     }
   }
+}
+
+// Query heads [h0, h1) of every new row against the cache (its new keys already stored).
+static void SFX(attend_heads)(const float *qkv, int ld, int t, const float *cos,
+                              const float *sin, const float *kc, const float *vc,
+                              long head_stride, int n0, int window, float scale, int hq,
+                              int hkv, int d, float *out, int h0, int h1) {
+  int half = d / 2, group = hq / hkv;
   float *scores = malloc(sizeof(float) * (n0 + t) + sizeof(float) * d);
   float *q = scores + n0 + t;
   for (int r = 0; r < t; r++) {
     int pos = n0 + r;
     int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
     int len = pos + 1 - lo;
-    for (int h = 0; h < hq; h++) {
+    for (int h = h0; h < h1; h++) {
       const float *kh = kc + (h / group) * head_stride + (long)lo * d;
       const float *vh = vc + (h / group) * head_stride + (long)lo * d;
       SFX(rope)(qkv + (long)r * ld + (long)h * d, cos + (long)r * half, sin + (long)r * half,
@@ -294,6 +418,14 @@ static void SFX(attend)(const float *qkv, int ld, int t, const float *cos, const
     }
   }
   free(scores);
+}
+
+static void SFX(attend)(const float *qkv, int ld, int t, const float *cos, const float *sin,
+                        float *kc, float *vc, long head_stride, int n0, int window, float scale,
+                        int hq, int hkv, int d, float *out) {
+  SFX(attend_store)(qkv, ld, t, cos, sin, kc, vc, head_stride, n0, hq, hkv, d);
+  SFX(attend_heads)(qkv, ld, t, cos, sin, kc, vc, head_stride, n0, window, scale, hq, hkv, d,
+                    out, 0, hq);
 }
 
 static void SFX(silu_mul)(const float *gate_up, float *out, int n, int inter) {

@@ -249,6 +249,17 @@ void sd_panel_share(int panels, int t, int n, int *p0, int *p1) {
   *p1 = *p0 + per < panels ? *p0 + per : panels;
 }
 
+// Panels [p0, p1) of a product (one thread's share): the columns they hold, into y's.
+void sd_linear_panels(const float *x, const void *wp, int bits, const float *dm,
+                      const float *scale, const float *bias, float *y, int M, int K, int N,
+                      int panel, int p0, int p1) {
+  if (p0 >= p1) return;
+  int c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
+  linear(x, (const char *)wp + (long)p0 * K * panel * bits / 8, bits,
+         dm ? dm + (long)p0 * (K / SD_GROUP) * 2 * panel : 0, scale ? scale + c0 : 0,
+         bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N, panel);
+}
+
 static void run(const float *x, const void *wp, int bits, const float *dm, const float *scale,
                 const float *bias, float *y, int M, int K, int N, int panel, int threads) {
 #ifdef _OPENMP
@@ -258,12 +269,7 @@ static void run(const float *x, const void *wp, int bits, const float *dm, const
     {
       int p0, p1;
       sd_panel_share(panels, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
-      if (p0 < p1) {
-        int c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
-        linear(x, (const char *)wp + (long)p0 * K * panel * bits / 8, bits,
-               dm ? dm + (long)p0 * (K / SD_GROUP) * 2 * panel : 0, scale ? scale + c0 : 0,
-               bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N, panel);
-      }
+      sd_linear_panels(x, wp, bits, dm, scale, bias, y, M, K, N, panel, p0, p1);
     }
     return;
   }
