@@ -11,21 +11,41 @@ from specdec.serving.kernels import GroupedCodes, Linear, KernelPlan, SMALLM
 
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
-def test_blocks_decode_to_what_the_gguf_package_dequantizes(kind):
-    """Each block type's codes, scales and minimums, dequantized as smallm forms a weight,
-    equal gguf's own dequantization exactly (Q4_0 codes are offset by 8, Q4_1 has a min)."""
+def _raw(kind: str, rows: int, cols: int, seed: int = 0):
+    """A tensor's raw blocks of ``kind`` and gguf's dequantization of them: quantized by gguf
+    where it can (the 32-weight types), else (the K-quants, which it only reads) blocks of
+    random codes, scales and minimums under fp16 super-block scales."""
     from gguf import GGMLQuantizationType, quants
 
-    from specdec.models.gguf_codes import _blocks
+    from specdec.models.gguf_codes import BLOCK_BYTES
 
     qtype = getattr(GGMLQuantizationType, kind)
-    w = np.random.default_rng(0).standard_normal((6, 96)).astype(np.float32) - 0.3
-    raw = quants.quantize(w, qtype)
-    want = torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
-    got = GroupedCodes(*(torch.from_numpy(a) for a in _blocks(raw, kind))).dequantize()
-    assert (want - torch.from_numpy(w)).abs().max() > 1e-3  # the quantization shows
-    assert torch.equal(got, want)
+    rng = np.random.default_rng(seed)
+    if kind.endswith("_K"):
+        blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
+        scales = rng.uniform(1e-3, 1e-2, (rows, cols // 256, 2)).astype(np.float16)
+        blocks[:, :, :4] = scales.view(np.uint8)  # d and dmin
+        raw = blocks.reshape(rows, -1)
+    else:
+        w = rng.standard_normal((rows, cols)).astype(np.float32) - 0.3
+        raw = quants.quantize(w, qtype)
+    return raw, torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+def test_blocks_decode_to_what_the_gguf_package_dequantizes(kind):
+    """Each block type's codes, scales and minimums, dequantized as smallm forms a weight,
+    equal gguf's own dequantization exactly (Q4_0 / Q5_0 codes are offset by 8 / 16, Q4_1 /
+    Q5_1 have a minimum, the K-quants a 6-bit scale and minimum per group of 32 under the
+    super-block's two); 4-bit types give codes 0..15 (streamed two per byte), 5-bit 0..31."""
+    from specdec.models.gguf_codes import _blocks
+
+    raw, want = _raw(kind, 6, 512)
+    codes = GroupedCodes(*(torch.from_numpy(a) for a in _blocks(raw, kind)))
+    assert torch.equal(codes.dequantize(), want)
+    assert codes.bits == (4 if kind[1] == "4" else 8)
+    if kind[1] == "5":  # the fifth bit is read: codes above 15 occur
+        assert int(codes.q.max()) > 15 and int(codes.q.min()) >= 0
 
 
 @needs_smallm
@@ -133,6 +153,42 @@ def test_the_default_target_on_its_codes_is_the_float32_target_bit_for_bit(threa
                 assert all(torch.equal(x, y) for x, y in zip(a, b))
     finally:
         torch.set_num_threads(before)
+
+
+def test_k_quant_and_5_bit_tensors_of_a_file_are_streamed_as_codes(tmp_path, monkeypatch):
+    """A file of the types a Q4_K_M / Q5_K_M model is made of: Q4_K, Q5_K, Q5_0 and Q6_K.
+    Every weight gets its codes (4-bit from Q4_K, 8-bit from the 5-bit types) but Q6_K's,
+    whose groups of 16 smallm does not read (it stays float32)."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from specdec.models.gguf_codes import exact_codes
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "k.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    weights = {}
+    for i, (name, kind) in enumerate((("layers.0.wqkv", "Q4_K"), ("layers.0.wo", "Q5_K"),
+                                      ("layers.0.w_gate_up", "Q5_0"), ("head", "Q6_K"))):
+        if kind == "Q6_K":  # gguf cannot write it: random blocks, fp16 scale last
+            blocks = np.random.default_rng(i).integers(0, 256, (4, 1, 210), dtype=np.uint8)
+            blocks[:, :, 208:] = np.full((4, 1, 1), 0.01, np.float16).view(np.uint8)
+            raw = blocks.reshape(4, -1)
+            from gguf import quants
+            weights[name] = torch.from_numpy(
+                quants.dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float32))
+        else:
+            raw, weights[name] = _raw(kind, 4, 256, seed=i)
+        writer.add_tensor(name.replace(".", "_"), raw, raw_dtype=getattr(GGMLQuantizationType, kind))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    codes = exact_codes(path, weights)
+    assert sorted(codes) == ["layers.0.w_gate_up", "layers.0.wo", "layers.0.wqkv"]
+    assert [codes[n].bits for n in ("layers.0.wqkv", "layers.0.wo", "layers.0.w_gate_up")] == \
+        [4, 8, 8]
+    for name, c in codes.items():
+        assert torch.equal(c.dequantize(), weights[name])
 
 
 def test_the_codes_are_cached_and_a_stale_cache_is_read_again(tmp_path, monkeypatch):
