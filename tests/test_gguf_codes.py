@@ -24,7 +24,10 @@ def _raw(kind: str, rows: int, cols: int, seed: int = 0):
     if kind.endswith("_K"):
         blocks = rng.integers(0, 256, (rows, cols // 256, BLOCK_BYTES[kind]), dtype=np.uint8)
         scales = rng.uniform(1e-3, 1e-2, (rows, cols // 256, 2)).astype(np.float16)
-        blocks[:, :, :4] = scales.view(np.uint8)  # d and dmin
+        if kind == "Q6_K":  # d last (the int8 scales before it are any bytes)
+            blocks[:, :, -2:] = scales[:, :, :1].view(np.uint8)
+        else:
+            blocks[:, :, :4] = scales.view(np.uint8)  # d and dmin
         raw = blocks.reshape(rows, -1)
     else:
         w = rng.standard_normal((rows, cols)).astype(np.float32) - 0.3
@@ -32,41 +35,49 @@ def _raw(kind: str, rows: int, cols: int, seed: int = 0):
     return raw, torch.from_numpy(quants.dequantize(raw, qtype).astype(np.float32))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K",
+                                  "Q6_K"])
 def test_blocks_decode_to_what_the_gguf_package_dequantizes(kind):
     """Each block type's codes, scales and minimums, dequantized as smallm forms a weight,
     equal gguf's own dequantization exactly (Q4_0 / Q5_0 codes are offset by 8 / 16, Q4_1 /
-    Q5_1 have a minimum, the K-quants a 6-bit scale and minimum per group of 32 under the
-    super-block's two); 4-bit types give codes 0..15 (streamed two per byte), 5-bit 0..31."""
+    Q5_1 have a minimum, Q4_K / Q5_K a 6-bit scale and minimum per group of 32 under the
+    super-block's two, Q6_K an int8 scale per group of 16); 4-bit types give codes 0..15
+    (streamed two per byte), 5-bit 0..31, Q6_K -32..31."""
     from specdec.models.gguf_codes import _blocks
 
     raw, want = _raw(kind, 6, 512)
     codes = GroupedCodes(*(torch.from_numpy(a) for a in _blocks(raw, kind)))
     assert torch.equal(codes.dequantize(), want)
     assert codes.bits == (4 if kind[1] == "4" else 8)
+    assert codes.group == (16 if kind == "Q6_K" else 32)
+    if kind == "Q6_K":  # all six bits are read
+        assert int(codes.q.min()) == -32 and int(codes.q.max()) == 31
     if kind[1] == "5":  # the fifth bit is read: codes above 15 occur
         assert int(codes.q.max()) > 15 and int(codes.q.min()) >= 0
 
 
 @needs_smallm
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits,group", [(8, 32), (4, 32), (8, 16)])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("out_features", [1, 15, 37, 100])
-def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(bits, threads, out_features):
-    """sd_linear_g (8-bit codes) and sd_linear_g4 (0..15, two per byte) against sd_linear on
-    the dequantized weight: identical for every row count up to two chunks of 8, ragged
-    panels, both thread shares, with a bias."""
+def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(bits, group, threads,
+                                                                    out_features):
+    """sd_linear_g (8-bit codes), sd_linear_g4 (0..15, two per byte) and sd_linear_g16
+    (8-bit codes in groups of 16: Q6_K's) against sd_linear on the dequantized weight:
+    identical for every row count up to two chunks of 8, ragged panels, both thread shares,
+    with a bias; a 16-group weight asked for integer numerics runs this float product."""
     gen = torch.Generator().manual_seed(out_features)
     lo, hi = (-127, 128) if bits == 8 else (0, 16)
     q = torch.randint(lo, hi, (out_features, 96), generator=gen, dtype=torch.int8)
-    d = torch.rand(out_features, 3, generator=gen).half().float() / 64
-    m = torch.randn(out_features, 3, generator=gen).half().float()
+    d = torch.rand(out_features, 96 // group, generator=gen).half().float() / 64
+    m = torch.randn(out_features, 96 // group, generator=gen).half().float()
     codes = GroupedCodes(q, d, m)
+    assert codes.group == group
     w = codes.dequantize()
     b = torch.randn(out_features, generator=gen)
     plan = KernelPlan.fixed(SMALLM)
-    fp32, grouped = Linear(w, b, plan), Linear(w, b, plan, codes)
-    assert grouped.panels is None and grouped.bits == bits
+    fp32, grouped = Linear(w, b, plan), Linear(w, b, plan, codes, integer=group == 16)
+    assert grouped.panels is None and grouped.bits == bits and not grouped.integer
     assert grouped.grouped.numel() == grouped.dm.shape[0] * 96 * grouped.panel * bits // 8
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -157,8 +168,9 @@ def test_the_default_target_on_its_codes_is_the_float32_target_bit_for_bit(threa
 
 def test_k_quant_and_5_bit_tensors_of_a_file_are_streamed_as_codes(tmp_path, monkeypatch):
     """A file of the types a Q4_K_M / Q5_K_M model is made of: Q4_K, Q5_K, Q5_0 and Q6_K.
-    Every weight gets its codes (4-bit from Q4_K, 8-bit from the 5-bit types) but Q6_K's,
-    whose groups of 16 smallm does not read (it stays float32)."""
+    Every weight gets its codes: 4-bit from Q4_K, 8-bit from the 5-bit types and Q6_K (in
+    groups of 16), and a fused weight of Q6_K and Q4_K rows (q / k / v whose v is Q6_K) all
+    in groups of 16; a weight with a row the file lacks gets none."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from specdec.models.gguf_codes import exact_codes
@@ -169,24 +181,20 @@ def test_k_quant_and_5_bit_tensors_of_a_file_are_streamed_as_codes(tmp_path, mon
     weights = {}
     for i, (name, kind) in enumerate((("layers.0.wqkv", "Q4_K"), ("layers.0.wo", "Q5_K"),
                                       ("layers.0.w_gate_up", "Q5_0"), ("head", "Q6_K"))):
-        if kind == "Q6_K":  # gguf cannot write it: random blocks, fp16 scale last
-            blocks = np.random.default_rng(i).integers(0, 256, (4, 1, 210), dtype=np.uint8)
-            blocks[:, :, 208:] = np.full((4, 1, 1), 0.01, np.float16).view(np.uint8)
-            raw = blocks.reshape(4, -1)
-            from gguf import quants
-            weights[name] = torch.from_numpy(
-                quants.dequantize(raw, GGMLQuantizationType.Q6_K).astype(np.float32))
-        else:
-            raw, weights[name] = _raw(kind, 4, 256, seed=i)
+        raw, weights[name] = _raw(kind, 4, 256, seed=i)
         writer.add_tensor(name.replace(".", "_"), raw, raw_dtype=getattr(GGMLQuantizationType, kind))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    weights["layers.1.wqkv"] = torch.cat([weights["layers.0.wqkv"][:2], weights["head"][1:]])
+    weights["layers.1.w_down"] = torch.cat([weights["head"], torch.randn(1, 256)])
     codes = exact_codes(path, weights)
-    assert sorted(codes) == ["layers.0.w_gate_up", "layers.0.wo", "layers.0.wqkv"]
-    assert [codes[n].bits for n in ("layers.0.wqkv", "layers.0.wo", "layers.0.w_gate_up")] == \
-        [4, 8, 8]
+    assert sorted(codes) == ["head", "layers.0.w_gate_up", "layers.0.wo", "layers.0.wqkv",
+                             "layers.1.wqkv"]
+    assert {n: (c.bits, c.group) for n, c in codes.items()} == {
+        "layers.0.wqkv": (4, 32), "layers.0.wo": (8, 32), "layers.0.w_gate_up": (8, 32),
+        "head": (8, 16), "layers.1.wqkv": (8, 16)}
     for name, c in codes.items():
         assert torch.equal(c.dequantize(), weights[name])
 

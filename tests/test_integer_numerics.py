@@ -165,12 +165,20 @@ def test_a_linear_layer_runs_the_integer_product_only_when_asked():
     torch.testing.assert_close(floating(x), x @ w.T + b, rtol=1e-5, atol=1e-5)
 
 
-def coded_engine(tiny_models, numerics: str):
-    """The tiny target with every linear weight replaced by what Q4_1-like codes (layers) and
-    Q8_0-like codes (head) encode, and those codes."""
+def coded_engine(tiny_models, numerics: str, q6_down: bool = False, kernels: str = "auto"):
+    """The tiny target on its coded weights (``coded_weights``) and their codes."""
+    from specdec.serving.engine import LlamaEngine
+
+    arch, weights, codes = coded_weights(tiny_models, q6_down)
+    return LlamaEngine(arch, weights, "cpu", kernels, codes=codes, numerics=numerics)
+
+
+def coded_weights(tiny_models, q6_down: bool = False):
+    """(arch, weights, codes): the tiny target with every linear weight replaced by what
+    Q4_1-like codes (layers) and Q8_0-like codes (head) encode, and those codes; ``q6_down``:
+    the MLP's down projections as Q6_K-like codes instead (8-bit, groups of 16)."""
     from specdec.models.hub import load_hf_model
     from specdec.serving.arch import ArchConfig, canonical_weights
-    from specdec.serving.engine import LlamaEngine
 
     model, _ = load_hf_model(tiny_models["target"])
     arch = ArchConfig.from_hf(model.config)
@@ -180,7 +188,11 @@ def coded_engine(tiny_models, numerics: str):
         if w.dim() != 2 or name == "embed":
             continue
         g = w.float().view(w.shape[0], -1, 32)
-        if name == "head":
+        if q6_down and name.endswith("w_down"):
+            g = w.float().view(w.shape[0], -1, 16)
+            d = (g.abs().amax(-1) / 31).half().float().clamp_min(1e-8)
+            q, m = torch.round(g / d[..., None]).clamp(-32, 31), torch.zeros_like(d)
+        elif name == "head":
             d = (g.abs().amax(-1) / 127).half().float().clamp_min(1e-8)
             q, m = torch.round(g / d[..., None]).clamp(-127, 127), torch.zeros_like(d)
         else:
@@ -189,7 +201,7 @@ def coded_engine(tiny_models, numerics: str):
             q = torch.round((g - m[..., None]) / d[..., None]).clamp(0, 15)
         codes[name] = GroupedCodes(q.to(torch.int8).view(w.shape), d, m)
         weights[name] = codes[name].dequantize()
-    return LlamaEngine(arch, weights, "cpu", "auto", codes=codes, numerics=numerics)
+    return arch, weights, codes
 
 
 @needs_smallm
@@ -230,11 +242,13 @@ def test_an_integer_engines_logits_are_the_same_bits_in_any_pass(tiny_models, th
 def test_the_thread_count_does_not_change_a_bit(tiny_models):
     """The whole stack on one thread and on a team of two (threads started once a pass,
     attention split by query head, layerops.c's team_layers): the same logits, bit for bit,
-    for a pass of three sessions' prefills, blocks and steps, in both numerics."""
+    for a pass of three sessions' prefills, blocks and steps, in both numerics. (smallm for
+    every row count: with "auto", a float engine may time oneMKL faster for a prefill, whose
+    sums depend on its threads.)"""
     before = torch.get_num_threads()
     try:
         for numerics in ("integer", "float"):
-            engine = coded_engine(tiny_models, numerics)
+            engine = coded_engine(tiny_models, numerics, kernels="smallm")
             assert engine._whole_stack(1) and engine._whole_stack(9)
             outs = []
             for threads in (1, 2):
@@ -247,6 +261,41 @@ def test_the_thread_count_does_not_change_a_bit(tiny_models):
                     [9, 1, 5]))
             for a, b in zip(*outs):
                 assert torch.equal(a, b), numerics
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_smallm
+def test_layers_in_groups_of_16_run_in_the_whole_stack_bit_for_bit(tiny_models):
+    """Q6_K-like down projections (8-bit codes in groups of 16, sd_linear_g16) in the
+    whole-stack call and on a team of two threads: float numerics give the float32 model's
+    logits exactly; integer numerics run those layers' float product beside the others'
+    integer one, the same bits in any pass."""
+    from specdec.serving.engine import LlamaEngine
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        coded = coded_engine(tiny_models, "float", q6_down=True, kernels="smallm")
+        assert all(layer["down"].group == 16 and layer["down"].bits == 8
+                   for layer in coded.layers)
+        assert coded._whole_stack(1) and coded._whole_stack(5)
+        arch, weights, _ = coded_weights(tiny_models, q6_down=True)
+        plain = LlamaEngine(arch, weights, "cpu", "smallm")
+        integer = coded_engine(tiny_models, "integer", q6_down=True)
+        assert all(not layer["down"].integer and layer["gate_up"].integer
+                   for layer in integer.layers)
+        prompts, block = [torch.arange(100, 140), torch.arange(7, 30)], torch.arange(500, 505)
+        for engine in (coded, plain, integer):
+            caches = [engine.new_cache() for _ in prompts]
+            engine.forward(caches, prompts, [1, 1])
+            engine.out = engine.forward(caches[:1], [block], [5])[0]
+            caches[0].truncate(len(prompts[0]))
+            engine.steps = torch.stack([engine.forward(caches[:1], [t[None]], [1])[0][0]
+                                        for t in block])
+        assert torch.equal(coded.out, plain.out) and torch.equal(coded.steps, plain.steps)
+        assert torch.equal(integer.out, integer.steps)
+        assert not torch.equal(integer.out, coded.out)
     finally:
         torch.set_num_threads(before)
 

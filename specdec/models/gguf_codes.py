@@ -8,7 +8,9 @@ in float32, so smallm can form each weight in registers, bit for bit, from the c
 (``sd_linear_g``, ``sd_linear_g4`` for 4-bit codes, two per byte): the same products summed
 in the same order as on the float32 weight, from 1/2 + 1/4 bytes per weight (4-bit codes) or
 1 + 1/4 (5- and 8-bit) instead of 4. On a memory-bound CPU that is most of a decode step.
-Q6_K (groups of 16) and the other types stay float32.
+Q6_K blocks are groups of 16 (codes q - 32, d the super-block's d times an int8 scale: still
+exact), read by smallm's 16-group kernel in float (in either numerics); other types stay
+float32.
 
 The engine's weights are fused and reordered (q, k and v rows in one matrix; llama.cpp's
 rotary permutation of q and k undone), so the codes are matched to them by row: every
@@ -38,7 +40,7 @@ LINEAR_SUFFIXES = ("wqkv", "wo", "w_gate_up", "w_down")
 # Bytes per block of each block type that maps onto codes: 32 weights (the K-quants: a
 # super-block of 256, eight sub-blocks of 32 with their own scale and minimum).
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144,
-               "Q5_K": 176}
+               "Q5_K": 176, "Q6_K": 210}
 
 
 def _blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -56,6 +58,8 @@ def _blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndar
 
     if kind in ("Q4_K", "Q5_K"):
         return _k_blocks(b, kind, f16(0), f16(2), nibbles)
+    if kind == "Q6_K":
+        return _q6_k_blocks(b)
     d = f16(0)
     if kind == "Q8_0":
         return (b[:, :, 2:].copy().view(np.int8).reshape(rows, -1), d, np.zeros_like(d))
@@ -91,7 +95,22 @@ def _k_blocks(b: np.ndarray, kind: str, d: np.ndarray, dmin: np.ndarray, nibbles
     return q.astype(np.int8).reshape(rows, -1), dg.reshape(rows, -1), mg.reshape(rows, -1)
 
 
-CACHE_FILE = "codes.pt"  # beside the file's converted model (hub.convert_gguf's directory)
+def _q6_k_blocks(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q6_K super-blocks as sixteen groups of 16: codes q - 32 (6 bits: four from ql, two
+    from qh), a group's d the super-block's fp16 d times its int8 scale, m 0. d * q stays
+    exact in float32 (11 + 7 + 5 significant bits), so it is gguf's (d * scale) * q."""
+    rows, nb = b.shape[:2]
+    ql = b[:, :, :128].reshape(rows, nb, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    qh = b[:, :, 128:192].reshape(rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    q = ((ql & 0x0F).reshape(rows, nb, 256) | ((qh & 0x03).reshape(rows, nb, 256) << 4))
+    scale = b[:, :, 192:208].copy().view(np.int8).astype(np.float32)
+    d = b[:, :, 208:210].copy().view(np.float16).astype(np.float32)
+    dg = (d * scale).reshape(rows, -1)
+    return (q.astype(np.int16) - 32).astype(np.int8).reshape(rows, -1), dg, np.zeros_like(dg)
+
+
+# beside the file's converted model (hub.convert_gguf's directory); v2: groups of 16 too
+CACHE_FILE = "codes-v2.pt"
 
 
 def exact_codes(gguf: str | pathlib.Path, weights: dict[str, torch.Tensor]
@@ -135,12 +154,12 @@ def _read_codes(gguf: str | pathlib.Path, weights: dict[str, torch.Tensor]
         kind = t.tensor_type.name
         if kind not in BLOCK_BYTES:
             continue
-        q, d, m = (torch.from_numpy(a) for a in _blocks(np.asarray(t.data), kind))
+        table = GroupedCodes(*(torch.from_numpy(a) for a in _blocks(np.asarray(t.data), kind)))
         # (+ 0.0: a row is found by its bytes, and where gguf's d * (q - 16) is -0.0 for a
         # negative d, d * q + m is +0.0, the same weight: torch.equal checks the values)
-        deq = GroupedCodes(q, d, m).dequantize().numpy() + np.float32(0.0)
+        deq = table.dequantize().numpy() + np.float32(0.0)
         ti = len(tables)
-        tables.append((q, d, m))
+        tables.append(table)
         for r in range(deq.shape[0]):
             index.setdefault(hash(deq[r].tobytes()), (ti, r))
     names = [n for n in weights if n == "head" or n.rsplit(".", 1)[-1] in LINEAR_SUFFIXES]
@@ -151,10 +170,14 @@ def _read_codes(gguf: str | pathlib.Path, weights: dict[str, torch.Tensor]
             continue
         rows = w.numpy() + np.float32(0.0)
         found = [index.get(hash(rows[r].tobytes())) for r in range(rows.shape[0])]
-        if any(f is None or tables[f[0]][0].shape[1] != w.shape[1] for f in found):
+        if any(f is None or tables[f[0]].q.shape[1] != w.shape[1] for f in found):
             continue
-        parts = [torch.stack([tables[ti][j][r] for ti, r in found]) for j in range(3)]
-        c = GroupedCodes(*parts)
+        # rows of tensors in groups of 32 and 16 (a fused q / k / v whose v is Q6_K): all in
+        # the finer groups, each d and m repeated (exactly the same weights)
+        group = min(tables[ti].group for ti, _ in found)
+        of = {ti: tables[ti].regrouped(group) for ti in {ti for ti, _ in found}}
+        c = GroupedCodes(*(torch.stack([getattr(of[ti], part)[r] for ti, r in found])
+                           for part in ("q", "d", "m")))
         if torch.equal(c.dequantize(), w):
             codes[name] = c
     log.info("%d of %d linear weights streamed as the GGUF file's codes", len(codes), len(names))

@@ -155,6 +155,8 @@ def smallm_library() -> tuple[ctypes.CDLL, int] | None:
     lib.sd_linear_g.restype = None
     lib.sd_linear_g4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
     lib.sd_linear_g4.restype = None
+    lib.sd_linear_g16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+    lib.sd_linear_g16.restype = None
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     lib.sd_linear_int.argtypes = [ptr] * 5 + [i32] * 6
     lib.sd_linear_int.restype = i32
@@ -196,29 +198,45 @@ GROUP = 32  # grouped codes: weights per (d, m) pair along the input dimension (
 
 @dataclasses.dataclass(frozen=True)
 class GroupedCodes:
-    """A float32 weight [out, in] held exactly as int8 codes in groups of GROUP along ``in``:
-    weight = d * q + m, each group with its own d and m ([out, in / GROUP] each), as a GGUF
-    file's Q8_0 / Q4_0 / Q4_1 blocks store it (``specdec.models.gguf_codes`` builds them and
-    checks them against the dequantized weight, bit for bit)."""
+    """A float32 weight [out, in] held exactly as int8 codes in groups along ``in`` (GROUP, or
+    16 for a GGUF file's Q6_K): weight = d * q + m, each group with its own d and m
+    ([out, in / group] each), as a GGUF file's blocks store it (``specdec.models.gguf_codes``
+    builds them and checks them against the dequantized weight, bit for bit)."""
 
     q: torch.Tensor  # int8 [out, in]
-    d: torch.Tensor  # float32 [out, in / GROUP]
-    m: torch.Tensor  # float32 [out, in / GROUP]
+    d: torch.Tensor  # float32 [out, in / group]
+    m: torch.Tensor  # float32 [out, in / group]
+
+    @property
+    def group(self) -> int:
+        """Weights per (d, m) along ``in``: GROUP (32), or 16."""
+        return self.q.shape[1] // self.d.shape[1]
 
     @property
     def bits(self) -> int:
-        """4 where every code is 0..15 (Q4_0 / Q4_1: smallm streams two per byte), else 8."""
-        return 4 if int(self.q.min()) >= 0 and int(self.q.max()) <= 15 else 8
+        """4 where every code is 0..15 in groups of 32 (Q4_0 / Q4_1 / Q4_K: smallm streams
+        two per byte), else 8."""
+        return 4 if self.group == GROUP and int(self.q.min()) >= 0 and \
+            int(self.q.max()) <= 15 else 8
 
     def dequantize(self) -> torch.Tensor:
         """The weight they encode, computed as smallm computes it (d * q is exact)."""
         n, k = self.q.shape
-        q = self.q.view(n, k // GROUP, GROUP).float()
+        q = self.q.view(n, k // self.group, self.group).float()
         return (self.d[:, :, None] * q + self.m[:, :, None]).view(n, k)
+
+    def regrouped(self, group: int) -> "GroupedCodes":
+        """The same weight in groups of ``group`` (a divisor of this one's): each group's d
+        and m repeated, exactly."""
+        times = self.group // group
+        if times == 1:
+            return self
+        return GroupedCodes(self.q, self.d.repeat_interleave(times, 1),
+                            self.m.repeat_interleave(times, 1))
 
 
 def _pack_dm(codes: GroupedCodes, panel: int) -> torch.Tensor:
-    """The groups' d and m as [panels, in / GROUP, 2, panel] (zero past ``out``)."""
+    """The groups' d and m as [panels, in / group, 2, panel] (zero past ``out``)."""
     n, groups = codes.d.shape
     dm = torch.zeros(-(-n // panel) * panel, groups, 2)
     dm[:n, :, 0], dm[:n, :, 1] = codes.d, codes.m
@@ -346,6 +364,7 @@ class Linear:
         self.grouped: torch.Tensor | None = None
         self.dm: torch.Tensor | None = None
         self.bits = 0
+        self.group = GROUP  # the codes' weights per (d, m): 32, or 16 (Q6_K)
         self.integer = False  # the codes on sd_linear_int (``integer`` and smallm in the plan)
         kernels = plan.used() if plan is not None else {MKL}
         if MKL_T in kernels:
@@ -354,11 +373,15 @@ class Linear:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.plain, None)
         if SMALLM in kernels:
             self.lib, self.panel = smallm_library()
-            if codes is not None and self.in_features % GROUP == 0 and integer:
+            # (groups of 16 run the float product in either numerics: sd_linear_int's
+            # activation blocks are 32 wide)
+            coded = codes is not None and self.in_features % GROUP == 0
+            if coded and integer and codes.group == GROUP:
                 self.grouped, self.dm, self.bits = pack_groups_int(codes, self.panel)
                 self.integer = True
-            elif codes is not None and self.in_features % GROUP == 0:
+            elif coded:
                 self.grouped, self.dm, self.bits = pack_groups(codes, self.panel)
+                self.group = codes.group
             else:
                 self.panels = pack_panels(self.plain, self.panel)
             self.bias = None if bias is None else bias.contiguous()
@@ -392,7 +415,8 @@ class Linear:
                 raise MemoryError("sd_linear_int: no memory for the quantized rows")
             return y
         if self.grouped is not None:
-            fn = self.lib.sd_linear_g4 if self.bits == 4 else self.lib.sd_linear_g
+            fn = self.lib.sd_linear_g4 if self.bits == 4 else \
+                self.lib.sd_linear_g16 if self.group == 16 else self.lib.sd_linear_g
             fn(x.data_ptr(), self.grouped.data_ptr(), self.dm.data_ptr(),
                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), x.shape[0],
                self.in_features, self.out_features, self.panel, torch.get_num_threads())

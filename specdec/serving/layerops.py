@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.serving.kernels import SMALLM, Int8Linear
+from specdec.serving.kernels import GROUP, SMALLM, Int8Linear
 from specdec.serving.kvcache import KVCache
 
 
@@ -223,7 +223,7 @@ class _Lin(ctypes.Structure):
 
     _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
                 ("k", ctypes.c_long), ("n", ctypes.c_long), ("dm", ctypes.c_void_p),
-                ("bits", ctypes.c_long), ("integer", ctypes.c_long)]
+                ("bits", ctypes.c_long), ("integer", ctypes.c_long), ("group", ctypes.c_long)]
 
 
 class _Layer(ctypes.Structure):
@@ -245,7 +245,8 @@ def _layer_structs(layers: list[dict], windows: list[int | None]):
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         return _Lin(panels.data_ptr(), ptr(scale), ptr(linear.bias), linear.in_features,
                     linear.out_features, ptr(getattr(linear, "dm", None)),
-                    getattr(linear, "bits", 0), int(getattr(linear, "integer", False)))
+                    getattr(linear, "bits", 0), int(getattr(linear, "integer", False)),
+                    getattr(linear, "group", GROUP))
 
     out, keep, panel = (_Layer * len(layers))(), [], 0
     for i, (layer, window) in enumerate(zip(layers, windows)):

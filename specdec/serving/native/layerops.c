@@ -96,9 +96,11 @@ int sd_linear_int(const float *x, const unsigned char *wq, const float *dm, cons
                   float *y, int M, int K, int N, int bits, int panel, int threads);
 // their pieces, for a team of threads already running (team_layers below)
 void sd_panel_share(int panels, int t, int n, int *p0, int *p1);
-void sd_linear_panels(const float *x, const void *wp, int bits, const float *dm,
+void sd_linear_panels(const float *x, const void *wp, int bits, int group, const float *dm,
                       const float *scale, const float *bias, float *y, int M, int K, int N,
                       int panel, int p0, int p1);
+void sd_linear_g16(const float *x, const signed char *wq, const float *dm, const float *bias,
+                   float *y, int M, int K, int N, int panel, int threads);
 void sd_quantize_rows(const float *x, int M, int K, signed char *xq, float *dxs, int *xsum);
 void sd_linear_int_panels(const signed char *xq, const float *dxs, const int *xsum,
                           const unsigned char *wq, const float *dm, const float *bias, float *y,
@@ -113,6 +115,7 @@ typedef struct {
   long k, n;
   const float *dm;
   long bits, integer;
+  long group;  // weights per (d, m) along k: 32, or 16 (8-bit codes from Q6_K)
 } sd_lin;
 
 // One decoder layer: its norms' weights, its four linear layers, its attention window (0: all).
@@ -128,6 +131,8 @@ static int lin(const sd_lin *l, const float *x, float *y, int n, int panel, int 
                          panel, threads);
   if (l->dm && l->bits == 4)
     sd_linear_g4(x, l->w, l->dm, l->bias, y, n, (int)l->k, (int)l->n, panel, threads);
+  else if (l->dm && l->group == 16)
+    sd_linear_g16(x, l->w, l->dm, l->bias, y, n, (int)l->k, (int)l->n, panel, threads);
   else if (l->dm)
     sd_linear_g(x, l->w, l->dm, l->bias, y, n, (int)l->k, (int)l->n, panel, threads);
   else if (l->scale)
@@ -160,8 +165,8 @@ static void team_lin(const sd_lin *l, const float *x, float *y, int n, int panel
                          (int)l->n, (int)l->bits, panel, p0, p1);
   } else {
     int bits = l->dm ? (int)l->bits : l->scale ? 8 : 32;
-    sd_linear_panels(x, l->w, bits, l->dm, l->scale, l->bias, y, n, (int)l->k, (int)l->n,
-                     panel, p0, p1);
+    sd_linear_panels(x, l->w, bits, l->dm ? (int)l->group : 32, l->dm, l->scale, l->bias, y,
+                     n, (int)l->k, (int)l->n, panel, p0, p1);
   }
 #pragma omp barrier
 }

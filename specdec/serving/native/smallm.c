@@ -73,7 +73,7 @@ __attribute__((target(TARGET), always_inline)) static inline void NAME(         
 // J panels at a time (1, 2, 4 or 8) for a block of mb rows: mb * J accumulators in registers
 // (AVX-512: 32 of them, AVX2: 16), as many as fit beside the J weight vectors; a tail of
 // fewer panels in the largest of those that fit (7: four, two, one).
-#define KERNEL(NAME, BLOCKFN, TARGET, WT, P, JFOR, KDIV)                                   \
+#define KERNEL(NAME, BLOCKFN, TARGET, WT, P, JFOR, KDIV, GS)                               \
 __attribute__((target(TARGET))) static void NAME(                                          \
     const float *x, const WT *wp, const float *dm, const float *scale, const float *bias,  \
     float *y, int M, int K, int N, int ldy) {                                              \
@@ -86,7 +86,7 @@ __attribute__((target(TARGET))) static void NAME(                               
     for (int p0 = 0, jb = J; p0 < panels; p0 += jb) {                                      \
       while (jb > panels - p0) jb /= 2;                                                    \
       const WT *w0 = wp + (long)p0 * (K / KDIV) * P;                                       \
-      const float *d0 = dm ? dm + (long)p0 * (K / SD_GROUP) * 2 * P : 0;                   \
+      const float *d0 = dm ? dm + (long)p0 * (K / (GS)) * 2 * P : 0;                       \
       switch (mb * 16 + jb) { /* constant shapes, so the loops unroll */                   \
         CASES(BLOCKFN, 1) CASES(BLOCKFN, 2) CASES(BLOCKFN, 3) CASES(BLOCKFN, 4)            \
         CASES(BLOCKFN, 5) CASES(BLOCKFN, 6) CASES(BLOCKFN, 7) CASES(BLOCKFN, 8)            \
@@ -116,17 +116,17 @@ __attribute__((target(TARGET))) static void NAME(                               
 // weights is most of a one-row pass). The products are summed in the same order over k: the
 // results are identical to sd_linear's on the dequantized weight, from a quarter of its bytes.
 // dm: [panels][K / SD_GROUP][2][P] (d, then m, for the panel's P columns).
-#define BLOCKG(NAME, TARGET, VEC, P, LOADQ, LOADF, SET1, FMA, ZERO, STORE, PF, PFMASK)     \
+#define BLOCKG(NAME, TARGET, VEC, P, LOADQ, LOADF, SET1, FMA, ZERO, STORE, PF, PFMASK, GS) \
 __attribute__((target(TARGET), always_inline)) static inline void NAME(                     \
     const float *x, const signed char *w0, const float *dm0, float *out, int K,           \
     const int MB, const int J) {                                                           \
   VEC acc[8][8];                                                                           \
-  const long groups = K / SD_GROUP;                                                        \
+  const long groups = K / (GS);                                                            \
   ZERO_ACC(ZERO)                                                                           \
   for (long g = 0; g < groups; g++) {                                                      \
     VEC dv[8], mv[8];                                                                      \
     LOAD_DM(LOADF, P)                                                                      \
-    for (long k = g * SD_GROUP; k < (g + 1) * SD_GROUP; k++) {                             \
+    for (long k = g * (GS); k < (g + 1) * (GS); k++) {                                     \
       const signed char *w = w0 + k * P;                                                   \
       VEC wv[8];                                                                           \
       for (int j = 0; j < J; j++) {                                                        \
@@ -193,9 +193,14 @@ BLOCK(blockq512, "avx512f", __m512, signed char, 16, LOADQ512, _mm512_set1_ps, _
 BLOCK(blockq256, "avx2,fma", __m256, signed char, 8, LOADQ256, _mm256_set1_ps, _mm256_fmadd_ps,
       _mm256_setzero_ps(), _mm256_storeu_ps, PREFETCH_Q8_BYTES, 7)
 BLOCKG(blockg512, "avx512f", __m512, 16, LOADQ512, _mm512_loadu_ps, _mm512_set1_ps,
-       _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_storeu_ps, PREFETCH_Q8_BYTES, 3)
+       _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_storeu_ps, PREFETCH_Q8_BYTES, 3, SD_GROUP)
 BLOCKG(blockg256, "avx2,fma", __m256, 8, LOADQ256, _mm256_loadu_ps, _mm256_set1_ps,
-       _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_storeu_ps, PREFETCH_Q8_BYTES, 7)
+       _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_storeu_ps, PREFETCH_Q8_BYTES, 7, SD_GROUP)
+// groups of 16 (a GGUF file's Q6_K: d = the super-block's d times the group's int8 scale)
+BLOCKG(blockg16_512, "avx512f", __m512, 16, LOADQ512, _mm512_loadu_ps, _mm512_set1_ps,
+       _mm512_fmadd_ps, _mm512_setzero_ps(), _mm512_storeu_ps, PREFETCH_Q8_BYTES, 3, 16)
+BLOCKG(blockg16_256, "avx2,fma", __m256, 8, LOADQ256, _mm256_loadu_ps, _mm256_set1_ps,
+       _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_storeu_ps, PREFETCH_Q8_BYTES, 7, 16)
 #define LOADB512(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #define LOADB256(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 BLOCKG4(blockg4_512, "avx512f", __m512, __m512i, 16, LOADB512, _mm512_and_si512,
@@ -204,14 +209,16 @@ BLOCKG4(blockg4_512, "avx512f", __m512, __m512i, 16, LOADB512, _mm512_and_si512,
 BLOCKG4(blockg4_256, "avx2,fma", __m256, __m256i, 8, LOADB256, _mm256_and_si256,
         _mm256_srli_epi32, _mm256_set1_epi32, _mm256_cvtepi32_ps, _mm256_loadu_ps,
         _mm256_set1_ps, _mm256_fmadd_ps, _mm256_setzero_ps(), _mm256_storeu_ps, 7)
-KERNEL(linear512, block512, "avx512f", float, 16, J512, 1)
-KERNEL(linear256, block256, "avx2,fma", float, 8, J256, 1)
-KERNEL(linearq512, blockq512, "avx512f", signed char, 16, JQ512, 1)
-KERNEL(linearq256, blockq256, "avx2,fma", signed char, 8, J256, 1)
-KERNEL(linearg512, blockg512, "avx512f", signed char, 16, JQ512, 1)
-KERNEL(linearg256, blockg256, "avx2,fma", signed char, 8, J256, 1)
-KERNEL(linearg4_512, blockg4_512, "avx512f", unsigned char, 16, JQ512, 2)
-KERNEL(linearg4_256, blockg4_256, "avx2,fma", unsigned char, 8, J256, 2)
+KERNEL(linear512, block512, "avx512f", float, 16, J512, 1, SD_GROUP)
+KERNEL(linear256, block256, "avx2,fma", float, 8, J256, 1, SD_GROUP)
+KERNEL(linearq512, blockq512, "avx512f", signed char, 16, JQ512, 1, SD_GROUP)
+KERNEL(linearq256, blockq256, "avx2,fma", signed char, 8, J256, 1, SD_GROUP)
+KERNEL(linearg512, blockg512, "avx512f", signed char, 16, JQ512, 1, SD_GROUP)
+KERNEL(linearg256, blockg256, "avx2,fma", signed char, 8, J256, 1, SD_GROUP)
+KERNEL(linearg16_512, blockg16_512, "avx512f", signed char, 16, JQ512, 1, 16)
+KERNEL(linearg16_256, blockg16_256, "avx2,fma", signed char, 8, J256, 1, 16)
+KERNEL(linearg4_512, blockg4_512, "avx512f", unsigned char, 16, JQ512, 2, SD_GROUP)
+KERNEL(linearg4_256, blockg4_256, "avx2,fma", unsigned char, 8, J256, 2, SD_GROUP)
 
 // The panel width this CPU's kernel reads: 16 (AVX-512), 8 (AVX2 + FMA), 0 (neither).
 int sd_panel(void) {
@@ -221,14 +228,17 @@ int sd_panel(void) {
   return 0;
 }
 
-// dm: grouped codes (bits 4 or 8); else scale: int8 weights and their column scales; else
-// float32.
-static void linear(const float *x, const void *wp, int bits, const float *dm,
+// dm: grouped codes (bits 4 or 8, groups of ``group``: 32, or 16 for 8-bit codes); else
+// scale: int8 weights and their column scales; else float32.
+static void linear(const float *x, const void *wp, int bits, int group, const float *dm,
                    const float *scale, const float *bias, float *y, int M, int K, int N,
                    int ldy, int panel) {
   if (dm && bits == 4) {
     if (panel == 16) linearg4_512(x, wp, dm, 0, bias, y, M, K, N, ldy);
     else if (panel == 8) linearg4_256(x, wp, dm, 0, bias, y, M, K, N, ldy);
+  } else if (dm && group == 16) {
+    if (panel == 16) linearg16_512(x, wp, dm, 0, bias, y, M, K, N, ldy);
+    else if (panel == 8) linearg16_256(x, wp, dm, 0, bias, y, M, K, N, ldy);
   } else if (dm) {
     if (panel == 16) linearg512(x, wp, dm, 0, bias, y, M, K, N, ldy);
     else if (panel == 8) linearg256(x, wp, dm, 0, bias, y, M, K, N, ldy);
@@ -250,18 +260,19 @@ void sd_panel_share(int panels, int t, int n, int *p0, int *p1) {
 }
 
 // Panels [p0, p1) of a product (one thread's share): the columns they hold, into y's.
-void sd_linear_panels(const float *x, const void *wp, int bits, const float *dm,
+void sd_linear_panels(const float *x, const void *wp, int bits, int group, const float *dm,
                       const float *scale, const float *bias, float *y, int M, int K, int N,
                       int panel, int p0, int p1) {
   if (p0 >= p1) return;
   int c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
-  linear(x, (const char *)wp + (long)p0 * K * panel * bits / 8, bits,
-         dm ? dm + (long)p0 * (K / SD_GROUP) * 2 * panel : 0, scale ? scale + c0 : 0,
+  linear(x, (const char *)wp + (long)p0 * K * panel * bits / 8, bits, group,
+         dm ? dm + (long)p0 * (K / group) * 2 * panel : 0, scale ? scale + c0 : 0,
          bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N, panel);
 }
 
-static void run(const float *x, const void *wp, int bits, const float *dm, const float *scale,
-                const float *bias, float *y, int M, int K, int N, int panel, int threads) {
+static void run(const float *x, const void *wp, int bits, int group, const float *dm,
+                const float *scale, const float *bias, float *y, int M, int K, int N,
+                int panel, int threads) {
 #ifdef _OPENMP
   int panels = (N + panel - 1) / panel;
   if (threads > 1 && panels >= 8 * threads) {
@@ -269,13 +280,13 @@ static void run(const float *x, const void *wp, int bits, const float *dm, const
     {
       int p0, p1;
       sd_panel_share(panels, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
-      sd_linear_panels(x, wp, bits, dm, scale, bias, y, M, K, N, panel, p0, p1);
+      sd_linear_panels(x, wp, bits, group, dm, scale, bias, y, M, K, N, panel, p0, p1);
     }
     return;
   }
 #endif
   (void)threads;
-  linear(x, wp, bits, dm, scale, bias, y, M, K, N, N, panel);
+  linear(x, wp, bits, group, dm, scale, bias, y, M, K, N, N, panel);
 }
 
 // x: [M, K] and y: [M, N] row-major float32; wp packed for ``panel`` (sd_panel's); bias or NULL.
@@ -283,26 +294,32 @@ static void run(const float *x, const void *wp, int bits, const float *dm, const
 // panels are split between the threads in runs of 4, each streaming its share of the weight.
 void sd_linear(const float *x, const float *wp, const float *bias, float *y, int M, int K,
                int N, int panel, int threads) {
-  run(x, wp, 32, 0, 0, bias, y, M, K, N, panel, threads);
+  run(x, wp, 32, SD_GROUP, 0, 0, bias, y, M, K, N, panel, threads);
 }
 
 // The same with int8 weights wq (packed as sd_linear's) and y[:, n] scaled by scale[n].
 void sd_linear_q8(const float *x, const signed char *wq, const float *scale, const float *bias,
                   float *y, int M, int K, int N, int panel, int threads) {
-  run(x, wq, 8, 0, scale, bias, y, M, K, N, panel, threads);
+  run(x, wq, 8, SD_GROUP, 0, scale, bias, y, M, K, N, panel, threads);
 }
 
 // The same with grouped int8 codes wq (packed as sd_linear's) and their groups' d and m (dm,
 // see BLOCKG); K a multiple of SD_GROUP. Bit-identical to sd_linear on d * q + m.
 void sd_linear_g(const float *x, const signed char *wq, const float *dm, const float *bias,
                  float *y, int M, int K, int N, int panel, int threads) {
-  run(x, wq, 8, dm, 0, bias, y, M, K, N, panel, threads);
+  run(x, wq, 8, SD_GROUP, dm, 0, bias, y, M, K, N, panel, threads);
 }
 
 // The same with 4-bit codes 0..15, two k per byte (see BLOCKG4).
 void sd_linear_g4(const float *x, const unsigned char *wq, const float *dm, const float *bias,
                   float *y, int M, int K, int N, int panel, int threads) {
-  run(x, wq, 4, dm, 0, bias, y, M, K, N, panel, threads);
+  run(x, wq, 4, SD_GROUP, dm, 0, bias, y, M, K, N, panel, threads);
+}
+
+// The same with 8-bit codes in groups of 16 along k (a GGUF file's Q6_K); K a multiple of 16.
+void sd_linear_g16(const float *x, const signed char *wq, const float *dm, const float *bias,
+                   float *y, int M, int K, int N, int panel, int threads) {
+  run(x, wq, 8, 16, dm, 0, bias, y, M, K, N, panel, threads);
 }
 
 // Whether this build splits calls between threads (built with OpenMP).
