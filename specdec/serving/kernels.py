@@ -147,17 +147,9 @@ def smallm_library() -> tuple[ctypes.CDLL, int] | None:
         err = getattr(exc, "stderr", b"") or b""
         log.warning("smallm kernel unavailable: %s %s", exc, err.decode(errors="replace")[-400:])
         return None
-    lib.sd_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 5
-    lib.sd_linear.restype = None
-    lib.sd_linear_q8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
-    lib.sd_linear_q8.restype = None
-    lib.sd_linear_g.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
-    lib.sd_linear_g.restype = None
-    lib.sd_linear_g4.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
-    lib.sd_linear_g4.restype = None
-    lib.sd_linear_g16.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
-    lib.sd_linear_g16.restype = None
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+    lib.sd_lin_run.argtypes = [ptr, ptr, ptr, i32, i32, i32]
+    lib.sd_lin_run.restype = i32
     lib.sd_linear_int.argtypes = [ptr] * 5 + [i32] * 6
     lib.sd_linear_int.restype = i32
     lib.sd_int_path.argtypes, lib.sd_int_path.restype = [i32], i32
@@ -340,6 +332,41 @@ class KernelPlan:
         return ", ".join(parts)
 
 
+class LinDesc(ctypes.Structure):
+    """A linear layer's weight as smallm runs it: layerops.c's ``sd_lin``, the one descriptor
+    of its format (float32 panels, int8 with column scales, grouped codes of 4 or 8 bits in
+    groups of 32 or 16, integer or float product). Built once per layer (``describe``); C's
+    ``sd_lin_run`` picks the kernel from it, for ``Linear`` and ``sd_layers`` alike."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
+                ("k", ctypes.c_long), ("n", ctypes.c_long), ("dm", ctypes.c_void_p),
+                ("bits", ctypes.c_long), ("integer", ctypes.c_long), ("group", ctypes.c_long)]
+
+    @classmethod
+    def describe(cls, w: torch.Tensor, in_features: int, out_features: int,
+                 bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                 dm: torch.Tensor | None = None, bits: int = 0, integer: bool = False,
+                 group: int = GROUP) -> "LinDesc":
+        """The descriptor of packed weight ``w`` (the tensors must outlive it: its owner
+        holds them)."""
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        return cls(w.data_ptr(), ptr(scale), ptr(bias), in_features, out_features, ptr(dm),
+                   bits, int(integer), group)
+
+
+def run_desc(lib, desc: LinDesc, panel: int, out_features: int, x: torch.Tensor) -> torch.Tensor:
+    """smallm's product on a descriptor: [rows, in] float32 -> [rows, out]."""
+    x = x.contiguous()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != desc.k:
+        raise ValueError(f"smallm takes [rows, {desc.k}] float32, got {tuple(x.shape)} "
+                         f"{x.dtype}")
+    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if lib.sd_lin_run(ctypes.byref(desc), x.data_ptr(), y.data_ptr(), x.shape[0], panel,
+                      torch.get_num_threads()) != 0:
+        raise MemoryError("sd_linear_int: no memory for the quantized rows")
+    return y
+
+
 class Linear:
     """y = x @ weight.T + bias on the kernel ``plan`` names for x's number of rows.
 
@@ -365,6 +392,7 @@ class Linear:
         self.dm: torch.Tensor | None = None
         self.bits = 0
         self.group = GROUP  # the codes' weights per (d, m): 32, or 16 (Q6_K)
+        self.desc: LinDesc | None = None  # smallm's descriptor of the packed weight
         self.integer = False  # the codes on sd_linear_int (``integer`` and smallm in the plan)
         kernels = plan.used() if plan is not None else {MKL}
         if MKL_T in kernels:
@@ -385,6 +413,10 @@ class Linear:
             else:
                 self.panels = pack_panels(self.plain, self.panel)
             self.bias = None if bias is None else bias.contiguous()
+            self.desc = LinDesc.describe(
+                self.panels if self.grouped is None else self.grouped, self.in_features,
+                self.out_features, self.bias, dm=self.dm, bits=self.bits, integer=self.integer,
+                group=self.group)
         self.keep_only(kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
@@ -400,32 +432,7 @@ class Linear:
         return F.linear(x, self.plain, self.bias)
 
     def _smallm(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.contiguous()
-        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"smallm takes [rows, {self.in_features}] float32, got "
-                             f"{tuple(x.shape)} {x.dtype}")
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        if self.integer:
-            status = self.lib.sd_linear_int(
-                x.data_ptr(), self.grouped.data_ptr(), self.dm.data_ptr(),
-                None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), x.shape[0],
-                self.in_features, self.out_features, self.bits, self.panel,
-                torch.get_num_threads())
-            if status != 0:
-                raise MemoryError("sd_linear_int: no memory for the quantized rows")
-            return y
-        if self.grouped is not None:
-            fn = self.lib.sd_linear_g4 if self.bits == 4 else \
-                self.lib.sd_linear_g16 if self.group == 16 else self.lib.sd_linear_g
-            fn(x.data_ptr(), self.grouped.data_ptr(), self.dm.data_ptr(),
-               None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), x.shape[0],
-               self.in_features, self.out_features, self.panel, torch.get_num_threads())
-            return y
-        self.lib.sd_linear(x.data_ptr(), self.panels.data_ptr(),
-                           None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                           x.shape[0], self.in_features, self.out_features, self.panel,
-                           torch.get_num_threads())
-        return y
+        return run_desc(self.lib, self.desc, self.panel, self.out_features, x)
 
     def keep_only(self, kernels: set[str]) -> None:
         """Free the weight layouts no kernel in ``kernels`` reads."""
@@ -436,7 +443,7 @@ class Linear:
         if ONEDNN not in kernels:
             self.packed = None
         if SMALLM not in kernels:
-            self.panels = self.grouped = self.dm = None
+            self.panels = self.grouped = self.dm = self.desc = None
 
 
 class Int8Linear:
@@ -461,23 +468,20 @@ class Int8Linear:
         q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
         self.panels: torch.Tensor | None = None
         self.plain: torch.Tensor | None = None
+        self.desc: LinDesc | None = None
         if smallm_available(weight.device) and weight.dtype == torch.float32:
             self.lib, self.panel = smallm_library()
             self.panels = pack_panels(q, self.panel)
             self.scale = scale.contiguous()
+            self.desc = LinDesc.describe(self.panels, self.in_features, self.out_features,
+                                         self.bias, scale=self.scale)
         else:
             self.plain = (q.float() * scale[:, None]).to(weight.device, weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is None:
             return F.linear(x, self.plain, self.bias)
-        x = x.contiguous()
-        y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-        self.lib.sd_linear_q8(x.data_ptr(), self.panels.data_ptr(), self.scale.data_ptr(),
-                              None if self.bias is None else self.bias.data_ptr(), y.data_ptr(),
-                              x.shape[0], self.in_features, self.out_features, self.panel,
-                              torch.get_num_threads())
-        return y
+        return run_desc(self.lib, self.desc, self.panel, self.out_features, x)
 
 
 def choose_kernels(plan: KernelPlan, linears: list[Linear], forward_ms: Callable[[int], float],

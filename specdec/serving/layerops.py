@@ -16,7 +16,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.serving.kernels import GROUP, SMALLM, Int8Linear
+from specdec.serving.kernels import SMALLM, LinDesc
 from specdec.serving.kvcache import KVCache
 
 
@@ -218,39 +218,20 @@ class LayerOps:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
-class _Lin(ctypes.Structure):
-    """layerops.c's sd_lin: one linear layer as smallm runs it."""
-
-    _fields_ = [("w", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p),
-                ("k", ctypes.c_long), ("n", ctypes.c_long), ("dm", ctypes.c_void_p),
-                ("bits", ctypes.c_long), ("integer", ctypes.c_long), ("group", ctypes.c_long)]
-
-
 class _Layer(ctypes.Structure):
     """layerops.c's sd_layer: one decoder layer's weights for ``sd_layers``."""
 
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", _Lin),
-                ("o", _Lin), ("gate_up", _Lin), ("down", _Lin), ("window", ctypes.c_long)]
+    _fields_ = [("attn_norm", ctypes.c_void_p), ("mlp_norm", ctypes.c_void_p), ("qkv", LinDesc),
+                ("o", LinDesc), ("gate_up", LinDesc), ("down", LinDesc),
+                ("window", ctypes.c_long)]
 
 
 def _layer_structs(layers: list[dict], windows: list[int | None]):
     """(the sd_layer array, the panel width, the tensors it points into) for ``sd_layers``, or
     () when a linear layer has no smallm panels (its kernel is a library's)."""
-    def lin(linear) -> _Lin | None:
-        grouped = getattr(linear, "grouped", None)
-        panels = getattr(linear, "panels", None) if grouped is None else grouped
-        if panels is None:
-            return None
-        scale = linear.scale if isinstance(linear, Int8Linear) else None
-        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-        return _Lin(panels.data_ptr(), ptr(scale), ptr(linear.bias), linear.in_features,
-                    linear.out_features, ptr(getattr(linear, "dm", None)),
-                    getattr(linear, "bits", 0), int(getattr(linear, "integer", False)),
-                    getattr(linear, "group", GROUP))
-
     out, keep, panel = (_Layer * len(layers))(), [], 0
     for i, (layer, window) in enumerate(zip(layers, windows)):
-        lins = [lin(layer[name]) for name in ("qkv", "o", "gate_up", "down")]
+        lins = [getattr(layer[name], "desc", None) for name in ("qkv", "o", "gate_up", "down")]
         if any(x is None for x in lins):
             return ()
         panel = layer["qkv"].panel

@@ -106,9 +106,11 @@ void sd_linear_int_panels(const signed char *xq, const float *dxs, const int *xs
                           const unsigned char *wq, const float *dm, const float *bias, float *y,
                           int M, int K, int N, int bits, int panel, int p0, int p1);
 
-// One linear layer on smallm: its packed panels, column scales (int8 weights) or groups' d and
-// m (grouped codes of ``bits`` 8 or 4; both NULL: float32), bias (or NULL), input and output
-// widths; ``integer``: the codes packed for intlinear.c's integer product (sd_linear_int).
+// One linear layer on smallm, its weight format's one descriptor (kernels.py's LinDesc builds
+// it once per layer, for Linear's calls and for sd_layers alike): its packed panels, column
+// scales (int8 weights) or groups' d and m (grouped codes of ``bits`` 8 or 4; both NULL:
+// float32), bias (or NULL), input and output widths; ``integer``: the codes packed for
+// intlinear.c's integer product (sd_linear_int); ``group``: 32, or 16 (Q6_K's codes).
 typedef struct {
   const void *w;
   const float *scale, *bias;
@@ -125,7 +127,9 @@ typedef struct {
   long window;
 } sd_layer;
 
-static int lin(const sd_lin *l, const float *x, float *y, int n, int panel, int threads) {
+// y = x W^T (+ bias) for the n rows of x: the one place a weight format picks its kernel.
+// Returns 0, or -1 when the integer product's quantized rows could not be allocated.
+int sd_lin_run(const sd_lin *l, const float *x, float *y, int n, int panel, int threads) {
   if (l->integer)
     return sd_linear_int(x, l->w, l->dm, l->bias, y, n, (int)l->k, (int)l->n, (int)l->bits,
                          panel, threads);
@@ -266,7 +270,7 @@ int sd_layers(float *x, int n, int hidden, const sd_layer *layers, int num_layer
   for (int li = 0; li < num_layers && !status; li++) {
     const sd_layer *L = layers + li;
     sd_add_rms_norm(x, li ? delta : 0, L->attn_norm, h, n, hidden, eps);
-    status |= lin(&L->qkv, h, qkv, n, panel, threads);
+    status |= sd_lin_run(&L->qkv, h, qkv, n, panel, threads);
     for (int i = 0; i < sessions; i++) {
       int s = offsets[i];
       sd_attend(qkv + s * ld, (int)ld, offsets[i + 1] - s, cos + s * half, sin + s * half,
@@ -274,11 +278,11 @@ int sd_layers(float *x, int n, int hidden, const sd_layer *layers, int num_layer
                 head_strides[i], lengths[i], (int)L->window, scale, hq, hkv, d,
                 attn + (long)s * hq * d);
     }
-    status |= lin(&L->o, attn, delta, n, panel, threads);
+    status |= sd_lin_run(&L->o, attn, delta, n, panel, threads);
     sd_add_rms_norm(x, delta, L->mlp_norm, h, n, hidden, eps);
-    status |= lin(&L->gate_up, h, gate_up, n, panel, threads);
+    status |= sd_lin_run(&L->gate_up, h, gate_up, n, panel, threads);
     sd_silu_mul(gate_up, act, n, (int)inter);
-    status |= lin(&L->down, act, delta, n, panel, threads);
+    status |= sd_lin_run(&L->down, act, delta, n, panel, threads);
   }
   if (num_layers && !status)
     for (long j = 0; j < (long)n * hidden; j++) x[j] += delta[j];
