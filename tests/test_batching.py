@@ -210,3 +210,83 @@ def test_sessions_answered_together_share_the_next_pass(tiny_models, regroup_ms)
         assert together > 0.8, engine.passes
     else:
         assert together < 0.5, engine.passes
+
+
+class _MemoryBound:
+    """The tiny target's engine with a memory limit: a pass of more than ``limit`` new tokens
+    fails as the CPU allocator fails (torch's RuntimeError), before touching any cache."""
+
+    def __init__(self, engine, limit):
+        self.engine, self.limit = engine, limit
+        self.passes: list[int] = []  # new tokens per pass tried
+
+    def forward(self, caches, tokens, num_logits):
+        n = sum(int(t.shape[0]) for t in tokens)
+        self.passes.append(n)
+        if n > self.limit:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. "
+                               "DefaultCPUAllocator: can't allocate memory: you tried to "
+                               f"allocate {n << 30} bytes. Error code 12")
+        return self.engine.forward(caches, tokens, num_logits)
+
+
+class _Block(_Step):
+    """A verify-like call: ``n`` tokens on its session's cache in one piece, all logits."""
+
+    def __init__(self, session_id, cache, tokens):
+        super().__init__(session_id, cache, 0)
+        self.tokens, self.logits = tokens, None
+
+    def next_piece(self, budget):
+        from specdec.serving.scheduler import Piece
+        return None if self.logits is not None else \
+            Piece(self.cache, self.tokens, int(self.tokens.shape[0]), prefill=False)
+
+    def consume(self, logits):
+        self.logits = logits
+        return True
+
+    def result(self):
+        return self.logits
+
+
+def test_a_call_that_does_not_fit_in_memory_fails_alone(tiny_models):
+    """Three calls share a pass that runs out of memory: the scheduler runs each alone, so the
+    two that fit complete with the logits they would have had in any pass, and only the one
+    that does not fit fails, with a MemoryError saying so (which the services' run_call answers
+    as RESOURCE_EXHAUSTED); its session's cache is as it was, and the scheduler keeps serving.
+    (Mutant: an out-of-memory pass failed like any other fails the two that fit.)"""
+    import concurrent.futures
+
+    import torch
+
+    from specdec.models.loading import load_engine
+    from specdec.serving.scheduler import BatchScheduler
+
+    engine = load_engine(tiny_models["target"], torch.device("cpu"))[0]
+    bound = _MemoryBound(engine, limit=10)
+    prompt = torch.arange(20, 28)
+    caches = [engine.new_cache() for _ in range(3)]
+    for c in caches:
+        engine.forward([c], [prompt], [0])
+    ref = engine.new_cache()
+    engine.forward([ref], [prompt], [0])
+    want = engine.forward([ref], [torch.tensor([5, 6])], [2])[0]
+    sched = BatchScheduler(bound, max_batch=8, batch_wait_ms=200.0)
+    try:
+        calls = [_Block("a", caches[0], torch.tensor([5, 6])),
+                 _Block("big", caches[1], torch.arange(100, 116)),
+                 _Block("b", caches[2], torch.tensor([5, 6]))]
+        futures = [sched.submit(c) for c in calls]
+        done, _ = concurrent.futures.wait(futures, timeout=30)
+        assert len(done) == 3
+        assert bound.passes[0] == 20 and sorted(bound.passes[1:]) == [2, 2, 16]
+        for f in (futures[0], futures[2]):
+            assert torch.equal(f.result(), want)
+        with pytest.raises(MemoryError, match="not enough memory for this call's pass"):
+            futures[1].result()
+        assert [c.length for c in caches] == [10, 8, 10]
+        after = sched.submit(_Block("big", caches[1], torch.tensor([5, 6]))).result(timeout=30)
+        assert torch.equal(after, want)
+    finally:
+        sched.stop()

@@ -111,8 +111,9 @@ async def run_call(context: grpc.aio.ServicerContext, future, work):
     """Submit core work, await its result, and turn core errors into gRPC status codes.
 
     ValueError -> INVALID_ARGUMENT, SessionNotFound -> NOT_FOUND, PrefixMismatch ->
-    FAILED_PRECONDITION (the orchestrator re-prefills on the last two). A client that cancels
-    the RPC cancels the work, which the model thread then drops at its next pass.
+    FAILED_PRECONDITION (the orchestrator re-prefills on the last two), MemoryError (a call
+    whose pass does not fit in memory even alone) -> RESOURCE_EXHAUSTED. A client that
+    cancels the RPC cancels the work, which the model thread then drops at its next pass.
     """
     try:
         return await asyncio.wrap_future(future)
@@ -127,6 +128,8 @@ async def run_call(context: grpc.aio.ServicerContext, future, work):
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     except ValueError as exc:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+    except MemoryError as exc:
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
 
 async def in_passing_thread(fn: Callable, *args):

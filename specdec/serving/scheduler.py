@@ -118,6 +118,16 @@ class _Pieces:
         return sum(int(p.tokens.shape[0]) for p in self.group)
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether a pass failed for want of memory: CUDA's OutOfMemoryError, the CPU allocator's
+    RuntimeError ("can't allocate memory"), or smallm's MemoryError."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text
+                                              or "out of memory" in text)
+
+
 def _settle(future: concurrent.futures.Future, result=None, exc: BaseException | None = None) -> None:
     """Resolve a future unless its caller already cancelled it."""
     if future.done():
@@ -420,18 +430,39 @@ class BatchScheduler:
         pieces = self._pieces(active)
         if not pieces:
             return
-        flat = [p for asked in pieces for p in asked.group]
         now = time.monotonic()
         for asked in pieces:
             if not asked.entry.ran:  # what it waited for: the pass in progress, queued work
                 asked.entry.ran = True
                 asked.entry.work.queued_s = now - asked.entry.queued_at
+        self._run(pieces)
+
+    def _run(self, pieces: list[_Pieces]) -> None:
+        """One pass over ``pieces``, its logits to their works. A pass that runs out of memory
+        is run again work by work (a pass only appends to its caches when it completes), so
+        the work that does not fit fails alone and the others complete."""
+        flat = [p for asked in pieces for p in asked.group]
         started = self.clock()
         try:
             logits = self.engine.forward([p.cache for p in flat], [p.tokens for p in flat],
                                          [p.num_logits for p in flat])
         except Exception as exc:
-            log.exception("forward pass failed")
+            if len(pieces) > 1 and out_of_memory(exc):
+                log.warning("a pass of %d works ran out of memory (%s): each alone",
+                            len(pieces), str(exc)[:200])
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                for asked in pieces:
+                    self._run([asked])
+                return
+            if out_of_memory(exc):  # one work alone: it does not fit, the service goes on
+                tokens = sum(a.tokens for a in pieces)
+                log.warning("a call's pass of %d tokens ran out of memory: %s", tokens,
+                            str(exc)[:200])
+                exc = MemoryError(f"not enough memory for this call's pass ({tokens} new "
+                                  f"tokens): {exc}")
+            else:
+                log.exception("forward pass failed")
             for asked in pieces:
                 _settle(asked.entry.future, exc=exc)
             return
