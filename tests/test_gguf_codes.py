@@ -79,6 +79,14 @@ def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(bits, group,
     fp32, grouped = Linear(w, b, plan), Linear(w, b, plan, codes, integer=group == 16)
     assert grouped.panels is None and grouped.bits == bits and not grouped.integer
     assert grouped.grouped.numel() == grouped.dm.shape[0] * 96 * grouped.panel * bits // 8
+    # the AVX2 kernels too (8-column panels), which an AVX-512 machine runs as well
+    from specdec.serving.kernels import LinDesc, pack_groups, pack_panels, run_desc
+
+    lib = grouped.lib
+    panels8, dm8, bits8 = pack_groups(codes, 8)
+    plain8 = pack_panels(w, 8)
+    avx2 = LinDesc.describe(panels8, 96, out_features, b, dm=dm8, bits=bits8, group=group)
+    avx2_fp32 = LinDesc.describe(plain8, 96, out_features, b)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -86,6 +94,8 @@ def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(bits, group,
             x = torch.randn(rows, 96, generator=gen)
             assert torch.equal(grouped(x), fp32(x)), rows
             torch.testing.assert_close(grouped(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+            assert torch.equal(run_desc(lib, avx2, 8, out_features, x),
+                               run_desc(lib, avx2_fp32, 8, out_features, x)), rows
     finally:
         torch.set_num_threads(before)
 
