@@ -10,7 +10,8 @@ KERNEL_CHOICES = ("auto", "onednn", "mkl", "mkl-t", "smallm")
 # How a CPU target's quantized linear layers compute (specdec.serving.kernels, README):
 # "float": float32 on the weights the codes encode (transformers' numbers, within rounding);
 # "integer": llama.cpp's integer dot products (activations to int8 per block of 32, exact
-# int32 block sums), every position's logits bit-identical whichever pass computes them.
+# int32 block sums) in the decoder layers, the head float on its codes (engine._load_weights);
+# every position's logits bit-identical whichever pass computes them.
 # Integer is the default: on the default target it is 1.35x float end to end (1.66x a
 # 1-token step at 2 threads), and a model with no codes (a Hugging Face directory, a GPU, no C
 # compiler) runs float whatever is asked, so only a GGUF target on CPU computes otherwise

@@ -215,6 +215,10 @@ def test_an_integer_engines_logits_are_the_same_bits_in_any_pass(tiny_models, th
     try:
         engine = coded_engine(tiny_models, "integer")
         assert engine.numerics == "integer" and engine.kernels.describe() == "smallm for 1+ rows"
+        # the layers on the integer product, the head on the float one (its codes, any pass)
+        assert all(layer[n].integer for layer in engine.layers
+                   for n in ("qkv", "o", "gate_up", "down"))
+        assert engine.head.grouped is not None and not engine.head.integer
         prompt, block = torch.arange(100, 140), torch.arange(500, 516)
         for whole in (True, False):
             engine.whole_stack = whole

@@ -158,7 +158,7 @@ class LlamaEngine(LayerOps):
         engine's dtype (no copy where a weight is already there, as a checkpoint loads it)."""
         arch, plan, integer = self.arch, self.kernels, self.numerics == "integer"
 
-        def linear(name: str, bias: torch.Tensor | None):
+        def linear(name: str, bias: torch.Tensor | None, integer: bool = integer):
             if quantize is not None:
                 return Int8Linear(w(name), bias)
             return Linear(w(name), bias, plan, codes.get(name) if plan is not None else None,
@@ -199,7 +199,13 @@ class LlamaEngine(LayerOps):
                 raise ValueError(f"{arch.model_type}: layer {i} has no post-attention norm")
             self.layers.append(layer)
         self.norm = norm("norm")
-        self.head = linear("head", None)
+        # The head computes float on its codes in either numerics: int8 activations distort
+        # the vocabulary's logits most (with an integer head the default target's answer to
+        # "What is the capital of France?" is a string of French nouns, as llama.cpp's is; with
+        # a float head, "The capital of France is Paris."), at the same cost for one row (the
+        # head streams its codes either way). Its rows are as independent of their pass as
+        # the integer product's: smallm's float kernel runs every row count.
+        self.head = linear("head", None, integer=False)
 
     def _rope_tables(self) -> None:
         """RoPE inverse frequencies as transformers computes them (float32; angles =
