@@ -141,7 +141,7 @@ def cmd_bench(args) -> int:
     runs: list[Run] = []
     try:
         spd.connect()
-        reference = BASELINE if spd.numerics == "float" else "specdec-target-only"
+        reference = spd.reference
         if reference not in systems:  # every specdec result is checked against it
             systems.insert(1, reference)
             runs_of.insert(1, (reference, rtts[0]))

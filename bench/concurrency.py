@@ -44,9 +44,9 @@ def run_levels(levels: list[int], prompt_ids: list[list[int]], max_new: int, hf,
     median of the ratios within each sweep (runs minutes apart, so machine drift cancels)."""
     specdec = list(SYSTEMS[1:])
     reference: dict[int, list[int]] = {}
-    if spd.numerics != "float":  # the reference is specdec's own target, not HF's float32
+    if spd.reference != "hf":  # specdec's own target's text, not HF's float32
         for i, ids in enumerate(tqdm(prompt_ids, desc="reference (target-only)", unit="prompt")):
-            reference[i] = spd.run("specdec-target-only", ids, max_new, None).token_ids
+            reference[i] = spd.run(spd.reference, ids, max_new, None).token_ids
     runs = []
     total = sum(n * (1 + per_client * len(specdec) * repeats) for n in levels)
     with tqdm(total=total, desc="concurrency", unit="req") as bar:
@@ -60,7 +60,7 @@ def run_levels(levels: list[int], prompt_ids: list[list[int]], max_new: int, hf,
     return {"rows": _aggregate(runs), "runs": [{k: v for k, v in r.items() if k != "stats"}
                                                for r in runs],
             "levels": levels, "per_client": per_client, "repeats": repeats,
-            "reference": "hf" if spd.numerics == "float" else "specdec-target-only"}
+            "reference": spd.reference}
 
 
 def _run_level(system: str, n: int, prompt_ids: list[list[int]], max_new: int, hf, spd,
@@ -116,7 +116,7 @@ def _run_level(system: str, n: int, prompt_ids: list[list[int]], max_new: int, h
     return dict(system=system, concurrency=n, requests=len(outputs), tokens=tokens,
                 wall_s=wall, tokens_per_s=tokens / wall, p50_s=_percentile(latencies, 0.5),
                 p95_s=_percentile(latencies, 0.95),
-                mismatches=0 if system == "hf" and spd.numerics != "float"  # (not checked)
+                mismatches=0 if system == "hf" and spd.reference != "hf"  # (not checked)
                 else sum(differs(i, out) for i, out in enumerate(outputs)),
                 stats=stats, **_round_stats(stats))
 

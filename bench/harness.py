@@ -97,7 +97,7 @@ class SpecdecSystems:
         threads then default to the cores given). ``rtts``: round trips in ms added between
         the orchestrator and every service (a delaying proxy per service and value).
         ``decode_on``: the orchestrators' (--decode-on; the -stepwise system's is 0).
-        ``numerics``: every service's (--numerics; what runs is ``self.numerics``)."""
+        ``numerics``: every service's (--numerics; what runs decides ``self.reference``)."""
         from orchestrator.local import ServiceProcess, service_args
 
         self.decode_on = decode_on
@@ -169,10 +169,12 @@ class SpecdecSystems:
                 self.orchestrators[(name, rtt)] = orch
 
     @property
-    def numerics(self) -> str:
-        """What the target computes: "float" (transformers' numbers: HF's greedy text is the
-        reference) or "integer" (a GGUF target on CPU: specdec's own target-only text is)."""
-        return self.orchestrators[("target", self.rtts[0])].target.info.numerics
+    def reference(self) -> str:
+        """The system whose greedy text every specdec system must equal: "hf" where the target
+        computes float (transformers' numbers), "specdec-target-only" where it computes
+        integer numerics (a GGUF target on CPU)."""
+        numerics = self.orchestrators[("target", self.rtts[0])].target.info.numerics
+        return "hf" if numerics == "float" else "specdec-target-only"
 
     @property
     def target_forward_ms(self) -> list[float]:

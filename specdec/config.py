@@ -12,8 +12,8 @@ KERNEL_CHOICES = ("auto", "onednn", "mkl", "mkl-t", "smallm")
 # "integer": llama.cpp's integer dot products (activations to int8 per block of 32, exact
 # int32 block sums) in the decoder layers, the head float on its codes (engine._load_weights);
 # every position's logits bit-identical whichever pass computes them.
-# Integer is the default: on the default target it is 1.35x float end to end (1.66x a
-# 1-token step at 2 threads), and a model with no codes (a Hugging Face directory, a GPU, no C
+# Integer is the default: on the default target it is 1.21-1.40x float end to end
+# (docs/performance.md), and a model with no codes (a Hugging Face directory, a GPU, no C
 # compiler) runs float whatever is asked, so only a GGUF target on CPU computes otherwise
 # than transformers' float32 (README, "Numerics").
 NUMERICS = ("float", "integer")

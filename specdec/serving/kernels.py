@@ -348,19 +348,21 @@ class LinDesc(ctypes.Structure):
                  dm: torch.Tensor | None = None, bits: int = 0, integer: bool = False,
                  group: int = GROUP) -> "LinDesc":
         """The descriptor of packed weight ``w`` (the tensors must outlive it: its owner
-        holds them)."""
+        holds them). ``bits``: the codes' (with ``dm``); the descriptor holds every weight's
+        stored bits, 8 for int8 with ``scale`` and 32 for float32."""
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        stored = bits if dm is not None else 8 if scale is not None else 32
         return cls(w.data_ptr(), ptr(scale), ptr(bias), in_features, out_features, ptr(dm),
-                   bits, int(integer), group)
+                   stored, int(integer), group)
 
 
-def run_desc(lib, desc: LinDesc, panel: int, out_features: int, x: torch.Tensor) -> torch.Tensor:
+def run_desc(lib, desc: LinDesc, panel: int, x: torch.Tensor) -> torch.Tensor:
     """smallm's product on a descriptor: [rows, in] float32 -> [rows, out]."""
     x = x.contiguous()
     if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != desc.k:
         raise ValueError(f"smallm takes [rows, {desc.k}] float32, got {tuple(x.shape)} "
                          f"{x.dtype}")
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    y = torch.empty(x.shape[0], desc.n, dtype=torch.float32)
     if lib.sd_lin_run(ctypes.byref(desc), x.data_ptr(), y.data_ptr(), x.shape[0], panel,
                       torch.get_num_threads()) != 0:
         raise MemoryError("sd_linear_int: no memory for the quantized rows")
@@ -432,7 +434,7 @@ class Linear:
         return F.linear(x, self.plain, self.bias)
 
     def _smallm(self, x: torch.Tensor) -> torch.Tensor:
-        return run_desc(self.lib, self.desc, self.panel, self.out_features, x)
+        return run_desc(self.lib, self.desc, self.panel, x)
 
     def keep_only(self, kernels: set[str]) -> None:
         """Free the weight layouts no kernel in ``kernels`` reads."""
@@ -481,7 +483,7 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is None:
             return F.linear(x, self.plain, self.bias)
-        return run_desc(self.lib, self.desc, self.panel, self.out_features, x)
+        return run_desc(self.lib, self.desc, self.panel, x)
 
 
 def choose_kernels(plan: KernelPlan, linears: list[Linear], forward_ms: Callable[[int], float],

@@ -447,7 +447,9 @@ class BatchScheduler:
             logits = self.engine.forward([p.cache for p in flat], [p.tokens for p in flat],
                                          [p.num_logits for p in flat])
         except Exception as exc:
-            if len(pieces) > 1 and out_of_memory(exc):
+            if not out_of_memory(exc):
+                log.exception("forward pass failed")
+            elif len(pieces) > 1:
                 log.warning("a pass of %d works ran out of memory (%s): each alone",
                             len(pieces), str(exc)[:200])
                 if torch.cuda.is_available():
@@ -455,14 +457,12 @@ class BatchScheduler:
                 for asked in pieces:
                     self._run([asked])
                 return
-            if out_of_memory(exc):  # one work alone: it does not fit, the service goes on
-                tokens = sum(a.tokens for a in pieces)
+            else:  # one work alone: it does not fit, the service goes on
+                tokens = pieces[0].tokens
                 log.warning("a call's pass of %d tokens ran out of memory: %s", tokens,
                             str(exc)[:200])
                 exc = MemoryError(f"not enough memory for this call's pass ({tokens} new "
                                   f"tokens): {exc}")
-            else:
-                log.exception("forward pass failed")
             for asked in pieces:
                 _settle(asked.entry.future, exc=exc)
             return

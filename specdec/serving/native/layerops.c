@@ -108,9 +108,10 @@ void sd_linear_int_panels(const signed char *xq, const float *dxs, const int *xs
 
 // One linear layer on smallm, its weight format's one descriptor (kernels.py's LinDesc builds
 // it once per layer, for Linear's calls and for sd_layers alike): its packed panels, column
-// scales (int8 weights) or groups' d and m (grouped codes of ``bits`` 8 or 4; both NULL:
-// float32), bias (or NULL), input and output widths; ``integer``: the codes packed for
-// intlinear.c's integer product (sd_linear_int); ``group``: 32, or 16 (Q6_K's codes).
+// scales (int8 weights) or groups' d and m (grouped codes; both NULL: float32), bias (or NULL),
+// input and output widths, ``bits`` per stored weight (codes 4 or 8, int8 8, float32 32);
+// ``integer``: the codes packed for intlinear.c's integer product (sd_linear_int); ``group``:
+// 32, or 16 (Q6_K's codes).
 typedef struct {
   const void *w;
   const float *scale, *bias;
@@ -168,9 +169,8 @@ static void team_lin(const sd_lin *l, const float *x, float *y, int n, int panel
     sd_linear_int_panels(q->xq, q->dxs, q->xsum, l->w, l->dm, l->bias, y, n, (int)l->k,
                          (int)l->n, (int)l->bits, panel, p0, p1);
   } else {
-    int bits = l->dm ? (int)l->bits : l->scale ? 8 : 32;
-    sd_linear_panels(x, l->w, bits, l->dm ? (int)l->group : 32, l->dm, l->scale, l->bias, y,
-                     n, (int)l->k, (int)l->n, panel, p0, p1);
+    sd_linear_panels(x, l->w, (int)l->bits, (int)l->group, l->dm, l->scale, l->bias, y, n,
+                     (int)l->k, (int)l->n, panel, p0, p1);
   }
 #pragma omp barrier
 }
