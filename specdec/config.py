@@ -174,7 +174,9 @@ class ServiceConfig:
     port: int = 0  # 0 = pick a free port
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     threads: int = 0  # torch intra-op threads; 0 = torch's default
-    cache_cap_mb: int = 1024  # KV cache memory cap across sessions
+    # KV cache memory across sessions; 0: the default (on a GPU the free memory left after the
+    # weights, less room for a pass, specdec.serving.kvcache.kv_pool_bytes; on a CPU 1024)
+    cache_cap_mb: int = 0
     max_sessions: int = 256
     session_ttl_s: float = 600.0  # idle sessions expire after this long
     max_message_bytes: int = 8 * 1024 * 1024
@@ -209,8 +211,9 @@ class ServiceConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
-        if self.cache_cap_mb <= 0:
-            raise ValueError(f"cache_cap_mb must be > 0, got {self.cache_cap_mb}")
+        if self.cache_cap_mb < 0:
+            raise ValueError(f"cache_cap_mb must be >= 0 (0: the default), got "
+                             f"{self.cache_cap_mb}")
         if self.max_sessions <= 0:
             raise ValueError(f"max_sessions must be > 0, got {self.max_sessions}")
         if self.session_ttl_s <= 0:
@@ -241,5 +244,6 @@ class ServiceConfig:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
 
     @property
-    def cache_cap_bytes(self) -> int:
-        return self.cache_cap_mb * 1024 * 1024
+    def cache_cap_bytes(self) -> int | None:
+        """The KV cache cap in bytes; None: the default for the device."""
+        return self.cache_cap_mb * 1024 * 1024 or None

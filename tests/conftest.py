@@ -465,3 +465,47 @@ def wait_for(predicate, timeout: float = 60.0, what: str = "") -> None:
 CHAT = "/v1/chat/completions"
 COMPLETE = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
+
+
+# Scheduler works for tests that drive a BatchScheduler directly.
+
+class StepWork:
+    """One decoding step of a session: a 1-token piece on its own cache."""
+
+    def __init__(self, session_id, cache, token):
+        self.session_id, self.cache, self.cancelled = session_id, cache, False
+        self.compute_s, self.batch_size, self.pass_tokens, self.queued_s = 0.0, 0, 0, 0.0
+        self.tokens = torch.tensor([token])
+
+    def start(self):
+        pass
+
+    def next_piece(self, budget):
+        from specdec.serving.scheduler import Piece
+        return Piece(self.cache, self.tokens, 1, prefill=False)
+
+    def consume(self, logits):
+        return True
+
+    def result(self):
+        return self.queued_s
+
+
+class BlockWork(StepWork):
+    """A verify-like call: ``n`` tokens on its session's cache in one piece, all logits."""
+
+    def __init__(self, session_id, cache, tokens):
+        super().__init__(session_id, cache, 0)
+        self.tokens, self.logits = tokens, None
+
+    def next_piece(self, budget):
+        from specdec.serving.scheduler import Piece
+        return None if self.logits is not None else \
+            Piece(self.cache, self.tokens, int(self.tokens.shape[0]), prefill=False)
+
+    def consume(self, logits):
+        self.logits = logits
+        return True
+
+    def result(self):
+        return self.logits

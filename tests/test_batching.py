@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from conftest import ServiceThread, hf_greedy, run
+from conftest import BlockWork, ServiceThread, StepWork, hf_greedy, run
 
 from orchestrator.generation import GenerationRequest
 from orchestrator.pair import close, connect
@@ -149,29 +149,6 @@ class _SlowEngine:
         return self.engine.forward(caches, tokens, num_logits)
 
 
-class _Step:
-    """One decoding step of a session: a 1-token piece on its own cache."""
-
-    def __init__(self, session_id, cache, token):
-        import torch
-        self.session_id, self.cache, self.cancelled = session_id, cache, False
-        self.compute_s, self.batch_size, self.pass_tokens, self.queued_s = 0.0, 0, 0, 0.0
-        self.tokens = torch.tensor([token])
-
-    def start(self):
-        pass
-
-    def next_piece(self, budget):
-        from specdec.serving.scheduler import Piece
-        return Piece(self.cache, self.tokens, 1, prefill=False)
-
-    def consume(self, logits):
-        return True
-
-    def result(self):
-        return self.queued_s
-
-
 @pytest.mark.parametrize("regroup_ms", [10.0, 0.0])
 def test_sessions_answered_together_share_the_next_pass(tiny_models, regroup_ms):
     """Three sessions, each sending its next call 2 ms after its answer, started 7 ms apart.
@@ -193,7 +170,7 @@ def test_sessions_answered_together_share_the_next_pass(tiny_models, regroup_ms)
         cache = engine.engine.new_cache()
         time.sleep(0.007 * i)
         for step in range(12):
-            sched.submit(_Step(f"s{i}", cache, 5 + step)).result(timeout=10)
+            sched.submit(StepWork(f"s{i}", cache, 5 + step)).result(timeout=10)
             time.sleep(0.002)
 
     try:
@@ -230,26 +207,6 @@ class _MemoryBound:
         return self.engine.forward(caches, tokens, num_logits)
 
 
-class _Block(_Step):
-    """A verify-like call: ``n`` tokens on its session's cache in one piece, all logits."""
-
-    def __init__(self, session_id, cache, tokens):
-        super().__init__(session_id, cache, 0)
-        self.tokens, self.logits = tokens, None
-
-    def next_piece(self, budget):
-        from specdec.serving.scheduler import Piece
-        return None if self.logits is not None else \
-            Piece(self.cache, self.tokens, int(self.tokens.shape[0]), prefill=False)
-
-    def consume(self, logits):
-        self.logits = logits
-        return True
-
-    def result(self):
-        return self.logits
-
-
 def test_a_call_that_does_not_fit_in_memory_fails_alone(tiny_models):
     """Three calls share a pass that runs out of memory: the scheduler runs each alone, so the
     two that fit complete with the logits they would have had in any pass, and only the one
@@ -274,9 +231,9 @@ def test_a_call_that_does_not_fit_in_memory_fails_alone(tiny_models):
     want = engine.forward([ref], [torch.tensor([5, 6])], [2])[0]
     sched = BatchScheduler(bound, max_batch=8, batch_wait_ms=200.0)
     try:
-        calls = [_Block("a", caches[0], torch.tensor([5, 6])),
-                 _Block("big", caches[1], torch.arange(100, 116)),
-                 _Block("b", caches[2], torch.tensor([5, 6]))]
+        calls = [BlockWork("a", caches[0], torch.tensor([5, 6])),
+                 BlockWork("big", caches[1], torch.arange(100, 116)),
+                 BlockWork("b", caches[2], torch.tensor([5, 6]))]
         futures = [sched.submit(c) for c in calls]
         done, _ = concurrent.futures.wait(futures, timeout=30)
         assert len(done) == 3
@@ -286,7 +243,7 @@ def test_a_call_that_does_not_fit_in_memory_fails_alone(tiny_models):
         with pytest.raises(MemoryError, match="not enough memory for this call's pass"):
             futures[1].result()
         assert [c.length for c in caches] == [10, 8, 10]
-        after = sched.submit(_Block("big", caches[1], torch.tensor([5, 6]))).result(timeout=30)
+        after = sched.submit(BlockWork("big", caches[1], torch.tensor([5, 6]))).result(timeout=30)
         assert torch.equal(after, want)
     finally:
         sched.stop()

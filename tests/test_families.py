@@ -161,7 +161,7 @@ def test_bf16_logits_match_transformers_bf16(family_dirs, name):
     assert engine.embed.dtype == torch.bfloat16
     assert engine.norm.dtype == (torch.float32 if engine.arch.norm_plus_one else torch.bfloat16)
     cache = engine.new_cache()
-    assert cache.k.dtype == torch.bfloat16
+    assert cache.pool.k.dtype == torch.bfloat16
     logits = engine.forward([cache], [torch.arange(5) + 100], [2])[0]
     assert logits.dtype == torch.float32 and logits.shape == (2, engine.vocab_out)
     worst_abs, worst = engine_vs_transformers(engine, model)

@@ -32,7 +32,9 @@ def add_service_arguments(parser, default_model: str) -> None:
     parser.add_argument("--port-file", help="write the bound port here once ready")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    parser.add_argument("--cache-cap-mb", type=int, default=1024)
+    parser.add_argument("--cache-cap-mb", type=int, default=0,
+                        help="KV cache memory of all sessions (0 = on a GPU the memory free "
+                             "after the weights less 1 GiB, on a CPU 1024)")
     parser.add_argument("--max-sessions", type=int, default=256)
     parser.add_argument("--session-ttl-s", type=float, default=600.0)
     parser.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)

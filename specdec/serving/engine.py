@@ -2,9 +2,10 @@
 
 One forward call takes the new tokens of several sessions at once ("ragged" batching, as in
 vLLM's flattened token layout): every linear layer runs once over all new tokens of all
-sessions, so the weights are read once per pass; attention runs per session against that
-session's own cache. A verify pass over k + 1 tokens, a prefill chunk and a draft step of many
-sessions are all the same call.
+sessions, so the weights are read once per pass; on torch's ops (GPUs) attention is one call
+per layer for every session of the pass, against keys gathered from one preallocated KV pool;
+the CPU's fused C ops attend per session against its contiguous cache. A verify pass over
+k + 1 tokens, a prefill chunk and a draft step of many sessions are all the same call.
 
 Runs the decoder-only families whose blocks are Llama's or a few exact variations of it, each
 checked against transformers' own forward in tests/test_families.py (docs/models.md):
@@ -54,7 +55,7 @@ from specdec.serving.kernels import (
     smallm_library,
     timed,
 )
-from specdec.serving.kvcache import KVCache
+from specdec.serving.kvcache import KVCache, KVPool, PooledCache, kv_pool_bytes
 from specdec.serving.layerops import LayerOps
 
 
@@ -114,6 +115,7 @@ class LlamaEngine(LayerOps):
         self.act = F.silu if arch.hidden_act == "silu" else \
             (lambda x: F.gelu(x, approximate="tanh"))
         self.native = self._native_ops() if native else None
+        self.pool: KVPool | None = None  # torch's ops' KV store (reserve_kv; C ops: None)
         self.whole_stack = True  # (see _whole_stack)
         self._stack = None  # the layers as sd_layers reads them, built at first use
         if plan is not None and plan.trying:
@@ -304,7 +306,25 @@ class LlamaEngine(LayerOps):
         return cls(arch, weights, device, kernels, quantize=quantize, codes=codes,
                    numerics=numerics, dtype=dtype)
 
-    def new_cache(self) -> KVCache:
+    def reserve_kv(self, cap_bytes: int | None = None) -> KVPool | None:
+        """Allocate the KV pool that torch's ops keep every session's keys and values in,
+        ``cap_bytes`` big (None: sized from the device's free memory, ``kv_pool_bytes``), at
+        most 64 contexts' worth. Engines on the fused C ops keep a contiguous cache per session
+        instead (their attention reads a head's keys as one run): None for them."""
+        if self.native is not None:
+            return None
+        if self.pool is None:
+            size = kv_pool_bytes(self.device, cap_bytes)
+            slots = min(size // KVPool.slot_bytes(self.arch, self.dtype),
+                        64 * self.arch.max_context)
+            self.pool = KVPool(self.arch, self.device, self.dtype, max(1, slots))
+        return self.pool
+
+    def new_cache(self) -> KVCache | PooledCache:
+        """An empty cache for a new session: a table in the KV pool on torch's ops (reserved
+        at first use if the service did not), a tensor of its own on the C ops."""
+        if self.native is None:
+            return PooledCache(self.reserve_kv())
         return KVCache(self.arch, self.device, self.dtype)
 
     # -- forward ----------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 
 ``LayerOps`` is the part of ``LlamaEngine`` (specdec.serving.engine) that runs the decoder
 layers of one forward pass: where each session's new tokens sit in the flat batch with their
-RoPE angles and masks (``_layout``), a layer on torch's ops with attention per session against
-its own cache (``_block``, ``_attend``), the same on the fused C ops of ``native/layerops.c``
+RoPE angles (``_layout``), a layer on torch's ops with every session's attention in one call
+against the KV pool (``_block``, ``_gather``, ``_attend``), the same on the fused C ops of
+``native/layerops.c`` against each session's contiguous cache
 (``_native_block``), and every layer in one ``sd_layers`` call (``_native_layers``). It reads
 the engine's attributes: arch, device, dtype, layers, RoPE tables, windows and native library.
 """
@@ -13,11 +14,12 @@ from __future__ import annotations
 import ctypes
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from specdec.serving.kernels import SMALLM, LinDesc
-from specdec.serving.kvcache import KVCache
+from specdec.serving.kvcache import KVCache, PooledCache
 
 
 class LayerOps:
@@ -54,8 +56,8 @@ class LayerOps:
         return torch.matmul(probs, values)
 
     def _layout(self, caches: Sequence[KVCache], tokens: Sequence[torch.Tensor]) -> "_Pass":
-        """Where each session's new tokens sit in the flat batch, their RoPE angles, and per
-        attention window the first key position and causal mask of each session."""
+        """Where each session's new tokens sit in the flat batch and their RoPE angles, with
+        room for them in each cache; on torch's ops also their places in the KV pool."""
         lengths = [c.length for c in caches]
         sizes = [int(t.shape[0]) for t in tokens]
         for c, n0, t in zip(caches, lengths, sizes):
@@ -79,23 +81,39 @@ class LayerOps:
         for t in sizes:
             offsets.append(offsets[-1] + t)
         if self.native is not None:  # (it masks and windows each session's keys itself)
-            return _Pass(lengths, sizes, offsets, flat, ropes, {}, native_ropes)
-        spans = {}
+            return _Pass(lengths, sizes, offsets, flat, ropes, None, native_ropes)
+        return _Pass(lengths, sizes, offsets, flat, ropes, self._gather(caches, lengths, sizes),
+                     [])
+
+    def _gather(self, caches: Sequence[PooledCache], lengths: list[int],
+                sizes: list[int]) -> "_Gather":
+        """Where a pass's B sessions sit in the KV pool, for attention in one call per layer:
+        sessions padded to T queries and S keys (row r of session i is position
+        lengths[i] + r), with per attention window the mask of the keys each query sees."""
+        b, t_max = len(caches), max(sizes)
+        ends = [n0 + t for n0, t in zip(lengths, sizes)]
+        keys = np.zeros((b, max(ends)), dtype=np.int64)  # [B, S] slot ids (0: KVPool's zeros)
+        rows = np.zeros((b, t_max), dtype=np.int64)  # [B, T] rows of the flat batch
+        valid = np.zeros((b, t_max), dtype=bool)  # [B, T] a real query, not padding
+        at = 0
+        for i, (c, end, t) in enumerate(zip(caches, ends, sizes)):
+            keys[i, :end] = c.table[:end]
+            rows[i, :t] = np.arange(at, at + t)
+            valid[i, :t] = True
+            at += t
+        write = np.concatenate([c.table[n0:end] for c, n0, end in zip(caches, lengths, ends)])
+        q_pos = np.asarray(lengths)[:, None] + np.arange(t_max)[None, :]  # [B, T]
+        k_pos = np.arange(keys.shape[1])[None, None, :]  # [1, 1, S]
+        masks = {}
         for window in self.windows:  # None: full causal
-            per = []
-            for n0, t in zip(lengths, sizes):
-                start = 0 if window is None else max(0, n0 - window + 1)
-                if t == 1:
-                    per.append((start, None))  # one query attends to all its keys
-                    continue
-                q_pos = torch.arange(n0, n0 + t, device=self.device)[:, None]
-                k_pos = torch.arange(start, n0 + t, device=self.device)[None, :]
-                mask = k_pos <= q_pos  # [t, n0 + t - start]
-                if window is not None:
-                    mask &= k_pos > q_pos - window  # transformers' sliding_window_overlay
-                per.append((start, mask))
-            spans[window] = per
-        return _Pass(lengths, sizes, offsets, flat, ropes, spans, [])
+            mask = k_pos <= q_pos[:, :, None]  # [B, T, S]: causal (so never past the session)
+            if window is not None:
+                mask &= k_pos > q_pos[:, :, None] - window  # transformers' sliding window
+            mask[~valid] = False
+            mask[~valid, 0] = True  # a padding query sees one key (all-masked rows are NaN)
+            masks[window] = torch.from_numpy(mask[:, None]).to(self.device)  # [B, 1, T, S]
+        move = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        return _Gather(move(write), move(keys), move(rows), move(valid), masks)
 
     def _block(self, x: torch.Tensor, li: int, layer: dict, caches: Sequence[KVCache],
                p: "_Pass") -> torch.Tensor:
@@ -188,34 +206,25 @@ class LayerOps:
         return layer["down"](act)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, li: int,
-                caches: Sequence[KVCache], p: "_Pass") -> torch.Tensor:
-        """Each session's new keys and values into its cache, and its queries against them:
-        [N, hq * head_dim]."""
-        a = self.arch
+                caches: Sequence[PooledCache], p: "_Pass") -> torch.Tensor:
+        """The pass's new keys and values into the KV pool, then every session's queries
+        against its keys in one attention call: [N, hq * head_dim]. q [N, hq, d], k and v
+        [N, hkv, d]."""
+        a, g = self.arch, p.gather
         hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        span = p.spans[self.layer_window[li]]
-        outs = []
-        for i, cache in enumerate(caches):
-            s, e, n0 = p.offsets[i], p.offsets[i + 1], p.lengths[i]
-            start, mask = span[i]
-            cache.k[li, :, n0 : n0 + e - s] = k[s:e].transpose(0, 1)
-            cache.v[li, :, n0 : n0 + e - s] = v[s:e].transpose(0, 1)
-            keys = cache.k[li, :, start : n0 + e - s]  # [hkv, S, d]
-            values = cache.v[li, :, start : n0 + e - s]
-            if a.attn_softcap is not None:
-                attn = self._softcapped_attention(q[s:e].transpose(0, 1)[None], keys[None],
-                                                  values[None], mask)
-            else:
-                attn = F.scaled_dot_product_attention(
-                    q[s:e].transpose(0, 1)[None],  # [1, hq, t, d]
-                    keys[None],
-                    values[None],
-                    attn_mask=mask,
-                    enable_gqa=hq != hkv,
-                    scale=a.attn_scale,
-                )  # [1, hq, t, d]
-            outs.append(attn[0].transpose(0, 1).reshape(e - s, hq * d))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        pool = caches[0].pool
+        pool.k[li].index_copy_(0, g.write, k)
+        pool.v[li].index_copy_(0, g.write, v)
+        keys = pool.k[li][g.keys].transpose(1, 2)  # [B, hkv, S, d]
+        values = pool.v[li][g.keys].transpose(1, 2)
+        queries = q[g.rows].transpose(1, 2)  # [B, hq, T, d]
+        mask = g.masks[self.layer_window[li]]  # [B, 1, T, S]
+        if a.attn_softcap is not None:
+            attn = self._softcapped_attention(queries, keys, values, mask)
+        else:
+            attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
+                                                  enable_gqa=hq != hkv, scale=a.attn_scale)
+        return attn.transpose(1, 2)[g.valid].reshape(q.shape[0], hq * d)  # [B, T, hq, d]
 
 
 class _Layer(ctypes.Structure):
@@ -249,5 +258,15 @@ class _Pass(NamedTuple):
     offsets: list[int]  # session i's new tokens are flat[offsets[i]:offsets[i + 1]]
     flat: torch.Tensor  # [N] every session's new tokens
     ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) per RoPE group
-    spans: dict  # window -> per session (first key position, mask or None)
+    gather: "_Gather | None"  # torch's ops: the sessions' places in the KV pool
     native_ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) [N, head_dim / 2]
+
+
+class _Gather(NamedTuple):
+    """A pass's sessions in the KV pool (LayerOps._gather), on the device."""
+
+    write: torch.Tensor  # [N] the slot each new token's keys and values go to
+    keys: torch.Tensor  # [B, S] each session's slots, position by position (padded)
+    rows: torch.Tensor  # [B, T] each session's rows in the flat batch (padded)
+    valid: torch.Tensor  # [B, T] bool: a real query
+    masks: dict  # window -> [B, 1, T, S] bool: the keys each query attends to

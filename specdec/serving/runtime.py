@@ -18,6 +18,7 @@ from specdec.serving.branching import BranchCall, BranchWork
 from specdec.serving.drafting import DraftWork, NgramDrafter, Proposal, ProposeCall
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.grammar import Grammars
+from specdec.serving.kvcache import DEFAULT_CACHE_BYTES
 from specdec.serving.scheduler import BatchScheduler
 from specdec.serving.session import SessionStore
 from specdec.serving.target import VerifyCall, VerifyResult, VerifyWork
@@ -67,8 +68,11 @@ class _Runtime:
         # constrained requests' grammars (None: built without a tokenizer, none are served)
         self.grammars = None if tokenizer is None else \
             Grammars(tokenizer, info.vocab_size, info.eos_token_ids)
+        # torch's ops keep every session's keys in one pool, allocated now (C ops: None)
+        pool = engine.reserve_kv(config.cache_cap_bytes) if engine is not None else None
         self.store: SessionStore = SessionStore(
-            config.cache_cap_bytes, config.max_sessions, config.session_ttl_s
+            pool.nbytes if pool is not None else config.cache_cap_bytes or DEFAULT_CACHE_BYTES,
+            config.max_sessions, config.session_ttl_s
         )
         self.calls = 0
         self.scheduler: BatchScheduler | None = None
@@ -85,6 +89,9 @@ class _Runtime:
                 after_pass=lambda pinned: self.store.enforce_limits(pinned),
                 name=f"{config.role}-model",
             )
+        if pool is not None:  # a pass short of slots first evicts sessions no call holds
+            pool.reclaim = lambda need: self.store.evict_until(
+                lambda: pool.free >= need, pinned=self.scheduler.busy())
 
     def close_session(self, session_id: str) -> bool:
         return self.store.close(session_id)

@@ -29,7 +29,7 @@ import torch
 
 from specdec.serving.engine import KVCache, LlamaEngine
 from specdec.serving.grammar import Grammars, session_grammar
-from specdec.serving.session import SessionStore, resolve
+from specdec.serving.session import SessionNotFound, SessionStore, resolve
 
 log = logging.getLogger(__name__)
 
@@ -129,11 +129,17 @@ def out_of_memory(exc: BaseException) -> bool:
 
 
 def _settle(future: concurrent.futures.Future, result=None, exc: BaseException | None = None) -> None:
-    """Resolve a future unless its caller already cancelled it."""
+    """Resolve a future unless its caller already cancelled it. An error goes without its
+    traceback: the model thread's frames hold the pass's works, whose sessions hold KV memory,
+    for as long as the caller keeps the error (errors are logged where they are caught)."""
     if future.done():
         return
     try:
         if exc is not None:
+            link = exc
+            while link is not None and link.__traceback__ is not None:
+                link.__traceback__ = None
+                link = link.__context__ or link.__cause__
             future.set_exception(exc)
         else:
             future.set_result(result)
@@ -252,9 +258,12 @@ class BatchScheduler:
         self.clock = clock
         self.after_pass = after_pass
         self._queue: collections.deque[_Entry] = collections.deque()
+        self._active: list[_Entry] = []  # the calls taking part in passes (the model thread's)
         self._cond = threading.Condition()
         self._stop = False
         self.forward_passes = 0
+        self.preemptions = 0  # sessions dropped for want of KV slots (_fitting)
+        self._arrivals: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -280,6 +289,10 @@ class BatchScheduler:
             self._cond.notify()
         self._thread.join(timeout=10)
 
+    def busy(self) -> set[str]:
+        """The sessions of the calls being computed (no eviction may take them)."""
+        return {e.work.session_id for e in self._active}
+
     def _admit(self, active: list[_Entry]) -> None:
         busy = {e.work.session_id for e in active}
         keep: collections.deque[_Entry] = collections.deque()
@@ -296,6 +309,8 @@ class BatchScheduler:
             except Exception as exc:  # the call is wrong or its session is gone: fail it alone
                 _settle(entry.future, exc=exc)
                 continue
+            if getattr(self.engine, "pool", None) is not None:
+                self._arrival(entry.work)  # (noted at its first call, for preemption)
             active.append(entry)
             busy.add(entry.work.session_id)
         self._queue = keep
@@ -324,7 +339,7 @@ class BatchScheduler:
                 self._admit(active)
 
     def _loop(self) -> None:
-        active: list[_Entry] = []
+        active: list[_Entry] = self._active
         returning: set[str] = set()  # sessions the last pass answered: their next call comes
         while True:
             if returning and self.regroup_s > 0:
@@ -426,8 +441,71 @@ class BatchScheduler:
                 budget = min(budget, self.prefill.tokens(decoding=False, waited_on=True))
         return pieces
 
+    def _fitting(self, pieces: list[_Pieces]) -> list[_Pieces]:
+        """The pieces whose new positions the KV pool has slots for, after evicting idle
+        sessions if short; the others wait for a later pass. When none fits, the calls in
+        progress hold the pool: the session opened last is preempted (vLLM's recompute
+        preemption: its cache is dropped and its call answered NOT_FOUND, so its caller
+        re-sends the prefix when there is room) and the older ones go on. A call that could
+        not fit in the whole pool fails (RESOURCE_EXHAUSTED). Engines on contiguous caches
+        (no pool) take every piece."""
+        pool = getattr(self.engine, "pool", None)
+        while pool is not None and pieces:
+            needs = [sum(p.cache.needed(int(p.tokens.shape[0])) for p in asked.group)
+                     for asked in pieces]
+            if sum(needs) > pool.free and pool.reclaim is not None:
+                pool.reclaim(sum(needs))
+            free, fit = pool.free, []
+            for asked, need in zip(pieces, needs):
+                if need <= free:
+                    fit.append(asked)
+                    free -= need
+            if fit:
+                if len(fit) < len(pieces):
+                    log.info("KV pool short: %d of %d works wait for a later pass",
+                             len(pieces) - len(fit), len(pieces))
+                return fit
+            victims = [e for e in self._active
+                       if not e.future.done() and e.work.session.cache.capacity]
+            if len(victims) > 1 or victims and len(pieces) > 1:
+                # the generation that came last (by its first call, not a re-prefill)
+                self._preempt(max(victims, key=lambda e: self._arrival(e.work)))
+            else:  # what holds the pool is this call's own or no call's to give back
+                for asked, need in zip(pieces, needs):
+                    _settle(asked.entry.future, exc=MemoryError(
+                        f"not enough memory for this call's pass ({asked.tokens} new tokens): "
+                        f"the KV pool has {pool.free} of {pool.slots} positions free, it "
+                        f"needs {need}"))
+            pieces = [a for a in pieces if not a.entry.future.done()]
+        return pieces
+
+    def _arrival(self, work: Work) -> float:
+        """When the generation a call belongs to first reached this service (by its request
+        id, so a preempted and re-sent session keeps its place), else when its session
+        opened."""
+        rid = work.session.request_id
+        if not rid:
+            return work.session.opened
+        if rid not in self._arrivals:
+            self._arrivals[rid] = work.session.opened
+            while len(self._arrivals) > 1024:
+                self._arrivals.popitem(last=False)
+        return self._arrivals[rid]
+
+    def _preempt(self, entry: _Entry) -> None:
+        """Drop a call's session for its KV slots; the call is answered NOT_FOUND."""
+        work = entry.work
+        self.preemptions += 1
+        log.info("KV pool full: preempting session %s (its caller re-sends the prefix)",
+                 work.session_id)
+        work.store.close(work.session_id)
+        work.session.cache.release()
+        _settle(entry.future, exc=SessionNotFound(
+            f"session {work.session_id!r} was preempted: the KV pool is full; re-send its "
+            "prefix"))
+
     def _step(self, active: list[_Entry]) -> None:
-        pieces = self._pieces(active)
+        pieces = self._fitting(self._pieces(active))
         if not pieces:
             return
         now = time.monotonic()

@@ -12,7 +12,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Generic, Iterable, Protocol, TypeVar
+from typing import Callable, Generic, Iterable, Protocol, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,24 @@ class SessionStore(Generic[C]):
     def ids(self) -> list[str]:
         with self._lock:
             return list(self._sessions)
+
+    def evict_until(self, enough: Callable[[], bool], pinned: Iterable[str] = ()) -> list[str]:
+        """Evict least recently used sessions, except ``pinned``, until ``enough()`` (a KV pool
+        short of slots: a session's slots come back as its cache is freed). Returns the ids
+        dropped."""
+        pinned = set(pinned)
+        dropped = []
+        with self._lock:
+            for sid in list(self._sessions):  # oldest first
+                if enough():
+                    break
+                if sid not in pinned:
+                    del self._sessions[sid]
+                    self.evictions += 1
+                    dropped.append(sid)
+        if dropped:
+            log.info("evicted sessions for KV memory: %s", dropped)
+        return dropped
 
     def enforce_limits(self, pinned: Iterable[str] = ()) -> list[str]:
         """Expire idle sessions, then evict least recently used ones until under the caps.
