@@ -186,3 +186,44 @@ def test_on_separate_cores_both_drafts_keep_the_target_text_and_each_orchestrato
     # (the guess holds a^(k+1) <= 0.49 of the verdicts at a = 0.7, the cache 0.6)
     assert choice["draft"] == [False, False, False]
     assert choice["int8"][2]
+
+
+def test_the_bfloat16_target_attends_in_one_call_per_pass_and_the_pair_drafts_on_the_pool(
+        tmp_path):
+    """``--dtype bfloat16`` runs torch's ops (a GPU's path): sessions live in the KV pool and a
+    pass attends for all of them in one call per layer. On the real target, three chat
+    prompts' verify blocks in one pass give each session's logits a token at a time within
+    bfloat16 rounding over 30 layers (5e-2 of the largest logit; measured 1.8-3.0e-2, as a
+    block alone differs from its tokens one at a time) and the same greedy token wherever
+    the margin exceeds it. (bfloat16 sums depend on a pass's rows, so speculative
+    text is the target's within rounding there: a near-tie can flip, as before the pool.)
+    Through the CLI, pipelined at k = 3 drafts on the pool (the draft's branches are forks
+    sharing its positions) and answers the first prompt."""
+    import torch
+
+    from specdec.models.hub import load_tokenizer
+    from specdec.models.loading import load_engine
+    from specdec.models.tokenizer import encode_prompt
+
+    engine = load_engine("default", torch.device("cpu"), dtype=torch.bfloat16)[0]
+    assert engine.native is None
+    tok = load_tokenizer("default")
+    prompts = [torch.tensor(encode_prompt(tok, p, None)) for p in CHAT_PROMPTS[:3]]
+    blocks = [torch.tensor(ids) for ids in ([504, 3575, 282, 4649], [378], [2, 17, 9, 80, 5])]
+    alone, joint = [], []
+    for prompt in prompts:
+        for caches in (alone, joint):
+            caches.append(engine.new_cache())
+            engine.forward([caches[-1]], [prompt], [0])
+    want = [torch.cat([engine.forward([c], [b[j:j + 1]], [1])[0] for j in range(len(b))])
+            for c, b in zip(alone, blocks)]
+    got = engine.forward(joint, blocks, [len(b) for b in blocks])
+    for w, g in zip(want, got):
+        tol = 5e-2 * float(w.abs().max())
+        assert (g - w).abs().max() <= tol
+        top2 = w.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
+        assert torch.equal(g.argmax(-1)[clear], w.argmax(-1)[clear])
+    rows = specdec_json(tmp_path, "--mode", "pipelined", "--k", "3", "--dtype", "bfloat16",
+                        prompts=CHAT_PROMPTS[:1])
+    assert rows[0]["draft_tokens"] > 0 and "Paris" in rows[0]["text"]
