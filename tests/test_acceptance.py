@@ -194,3 +194,65 @@ def test_coupling_noise_is_per_id_and_exponential():
     # Exponential(1): mean 1, variance 1, P(E > 1) = 1/e
     assert abs(full.mean() - 1) < 0.05 and abs(full.var() - 1) < 0.1
     assert abs((full > 1).mean() - np.exp(-1)) < 0.03
+
+
+def _python_noise(seed: int, position: int, token_id: int) -> float:
+    """The coupling noise of one id in plain Python integers: the reference the array versions
+    (numpy's uint32, torch's int64 on any device) must equal bit for bit."""
+    import math
+
+    import numpy as np
+
+    def fmix(h):
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    k1, k2 = (int(x) for x in np.random.SeedSequence([seed, position, 3]).generate_state(
+        2, np.uint32))
+    h = fmix(((token_id * 0x9E3779B9) & 0xFFFFFFFF) ^ k1)
+    h = fmix(h ^ k2)
+    return -math.log((h + 0.5) * (1.0 / 2**32))
+
+
+def test_the_device_noise_and_race_equal_the_cpu_reference():
+    """The coupled rule on a device: ``device_noise`` (torch's integer ops, exact on a GPU as
+    on the CPU) equals numpy's ``coupling_noise`` and plain Python's hash bit for bit, and
+    ``coupled_choices`` (every row of a verify block raced where the probabilities are,
+    fetched in one copy) picks what ``coupled_choice`` picks row by row, reduced draft
+    vocabularies included; the walk over those rows is ``verify_coupled``'s. (Mutants: a
+    multiplication that overflows int64 or drops the high half, or races over the wrong row's
+    position, fail it.)"""
+    import numpy as np
+
+    from specdec.config import SamplingParams
+    from specdec.serving.acceptance import verify_coupled, verify_walk
+    from specdec.serving.sampling import (
+        coupled_choice,
+        coupled_choices,
+        coupling_noise,
+        device_noise,
+        process_logits,
+    )
+
+    ids = np.array([0, 1, 2**16 + 3, 49151, 151935, 2**31 - 1])
+    for seed, position in ((0, 0), (9, 40), (2**31 - 1, 2**20)):
+        want = np.array([_python_noise(seed, position, int(t)) for t in ids])
+        assert np.array_equal(coupling_noise(seed, position, ids), want)
+        got = device_noise(seed, range(position, position + 2), torch.from_numpy(ids))
+        assert np.array_equal(got[0].numpy(), want)
+        assert np.array_equal(got[1].numpy(), coupling_noise(seed, position + 1, ids))
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        params = SamplingParams(temperature=0.9, top_k=50 if trial % 2 else 0, seed=trial)
+        probs = process_logits(torch.randn(5, 3000, generator=g) * 3, params)  # [5, vocab]
+        rows = [coupled_choice(probs[i], trial, 70 + i) for i in range(5)]
+        assert coupled_choices(probs, trial, 70) == rows
+        target_ids = np.random.default_rng(trial).permutation(50000)[:3000]
+        assert coupled_choices(probs[:1], trial, 9, target_ids) == \
+            [coupled_choice(probs[0], trial, 9, target_ids)]
+        drafts = torch.tensor(rows[:2] + [rows[2] + 1, rows[3]])
+        assert verify_walk(drafts.tolist(), coupled_choices(probs, trial, 70)) == \
+            verify_coupled(drafts, probs, trial, 70) == (2, rows[2])

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from specdec.serving.sampling import PositionRandom, coupled_choice
+from specdec.serving.sampling import PositionRandom, coupled_choice, coupled_choices
 
 
 def verify_walk(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> tuple[int, int]:
@@ -58,10 +58,14 @@ def verify_coupled(
     seed: int,
     first_position: int,  # the position of the first draft token
 ) -> tuple[int, int]:
-    """The walk along the target's coupled samples. Returns (num_accepted, next_token)."""
+    """The walk along the target's coupled samples. Returns (num_accepted, next_token). On a
+    GPU every row's race runs there and one copy fetches the k + 1 tokens; on the CPU the rows
+    after the first mismatch are not computed."""
     drafts = draft_tokens.tolist()
     k = len(drafts)
     assert target_probs.shape[0] == k + 1, (target_probs.shape, k)
+    if target_probs.device.type != "cpu":
+        return verify_walk(drafts, coupled_choices(target_probs, seed, first_position))
     for i in range(k + 1):  # rows after the first mismatch are not needed
         token = coupled_choice(target_probs[i], seed, first_position + i)
         if i == k or drafts[i] != token:

@@ -123,14 +123,30 @@ def position_generator(seed: int, position: int, domain: str) -> PositionRandom:
     return PositionRandom(seed, position, domain)
 
 
-def _fmix32(h: np.ndarray) -> np.ndarray:
-    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche), in place."""
-    h ^= h >> np.uint32(16)
-    h *= np.uint32(0x85EBCA6B)
-    h ^= h >> np.uint32(13)
-    h *= np.uint32(0xC2B2AE35)
-    h ^= h >> np.uint32(16)
-    return h
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(h, c: int):
+    """h * c mod 2**32: numpy's uint32 wraps; a torch tensor holds h in int64, where each
+    partial product stays below 2**48 (uint32 arithmetic on any device)."""
+    if isinstance(h, np.ndarray):
+        return h * np.uint32(c)
+    return (h * (c & 0xFFFF) + (((h * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finalizer (a bijection with full avalanche)."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _keys(seed: int, position: int) -> np.ndarray:
+    """The 64-bit key of (seed, position), as two uint32."""
+    return np.random.SeedSequence([int(seed), int(position), _DOMAINS["coupling"]]) \
+        .generate_state(2, np.uint32)
 
 
 def coupling_noise(seed: int, position: int, token_ids: np.ndarray) -> np.ndarray:
@@ -140,18 +156,41 @@ def coupling_noise(seed: int, position: int, token_ids: np.ndarray) -> np.ndarra
     64-bit key drawn from a SeedSequence of (seed, position)), so any subset of the vocabulary
     costs only its size, and the draft (over its few likeliest tokens, in its own reduced
     vocabulary mapped to target ids) and the target (over its whole support) see the same
-    E[t] for the same t.
+    E[t] for the same t. ``device_noise`` is the same hash on a device.
     """
-    k1, k2 = np.random.SeedSequence(
-        [int(seed), int(position), _DOMAINS["coupling"]]).generate_state(2, np.uint32)
+    k1, k2 = _keys(seed, position)
     with np.errstate(over="ignore"):
-        h = np.asarray(token_ids).astype(np.uint32) * np.uint32(0x9E3779B9)
-        h ^= k1
-        h = _fmix32(h)
-        h ^= k2
+        h = _fmix32(_mul32(np.asarray(token_ids).astype(np.uint32), 0x9E3779B9) ^ k1) ^ k2
         h = _fmix32(h)
     # U in (0, 1) (never 0 or 1), E = -log U
     return -np.log((h.astype(np.float64) + 0.5) * (1.0 / 2**32))
+
+
+def device_noise(seed: int, positions: range, token_ids: torch.Tensor) -> torch.Tensor:
+    """``coupling_noise`` at several positions on ``token_ids``' device: [len(positions),
+    len(token_ids)] float64. The hash is integer arithmetic, exact on any device, so a GPU
+    draws the very noise the CPU does (the final log: torch's, equal to numpy's on CPU)."""
+    keys = torch.tensor(np.stack([_keys(seed, p) for p in positions]).astype(np.int64),
+                        device=token_ids.device)  # [n, 2]
+    h = _mul32(token_ids.to(torch.int64) & _M32, 0x9E3779B9)[None, :] ^ keys[:, :1]
+    h = _fmix32(_fmix32(h) ^ keys[:, 1:])
+    return -torch.log((h.double() + 0.5) * (1.0 / 2**32))
+
+
+def coupled_choices(probs: torch.Tensor, seed: int, first_position: int,
+                    token_ids: torch.Tensor | None = None) -> list[int]:
+    """``coupled_choice`` at each row of probs [n, vocab], row i at position
+    first_position + i, computed on probs' device (``device_noise``) and fetched in one copy:
+    a verify block's k + 1 positions on a GPU."""
+    n, vocab = probs.shape
+    ids = torch.arange(vocab, device=probs.device) if token_ids is None else \
+        torch.as_tensor(token_ids).to(probs.device)
+    p = probs.detach().double()
+    noise = device_noise(seed, range(first_position, first_position + n), ids)
+    best = torch.where(p > 0, p / noise, -1.0).max(-1)  # (the first of equal races, as numpy)
+    choices, found = torch.stack([best.indices, (best.values > 0).long()]).tolist()
+    assert all(found), "cannot sample from an all-zero distribution"
+    return choices
 
 
 def coupled_choice(probs: torch.Tensor, seed: int, position: int,
@@ -160,10 +199,12 @@ def coupled_choice(probs: torch.Tensor, seed: int, position: int,
     argmax of log probs + Gumbel noise): a sample of probs, and the token the coupled rule
     emits or proposes at this position.
 
-    probs: [n] on any device; token_ids: the target-vocabulary id of each index (default: the
-    index itself).
+    probs: [n] on any device (on a GPU the race runs there: ``coupled_choices``); token_ids:
+    the target-vocabulary id of each index (default: the index itself).
     """
-    p = probs.detach().cpu().numpy().astype(np.float64)  # numpy: no torch thread pool
+    if probs.device.type != "cpu":
+        return coupled_choices(probs[None], seed, position, token_ids)[0]
+    p = probs.detach().numpy().astype(np.float64)  # numpy: no torch thread pool
     support = np.flatnonzero(p > 0)
     assert support.size, "cannot sample from an all-zero distribution"
     ids = support if token_ids is None else np.asarray(token_ids)[support]
