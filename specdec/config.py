@@ -5,8 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 
-# CPU linear kernels (specdec.serving.kernels): "auto" measures the others at start
-KERNEL_CHOICES = ("auto", "onednn", "mkl", "mkl-t", "smallm")
 # How a CPU target's quantized linear layers compute (specdec.serving.kernels, README):
 # "float": float32 on the weights the codes encode (transformers' numbers, within rounding);
 # "integer": llama.cpp's integer dot products (activations to int8 per block of 32, exact
@@ -222,6 +220,8 @@ class ServiceConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
+        from specdec.serving.kernels import KERNEL_CHOICES  # (the kernels' one registry)
+
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, "
                              f"got {self.kernels!r}")

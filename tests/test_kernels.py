@@ -237,6 +237,55 @@ def test_an_engine_refuses_an_unknown_kernel_choice(tiny_models):
         load_engine(tiny_models["target"], torch.device("cpu"), "fast")
 
 
+def test_a_kernel_is_one_registry_entry(tiny_models, monkeypatch):
+    """A kernel is declared once, in ``kernels.KERNELS``: the CLI's and the config's choices
+    are read from it, and a new entry (here a test kernel on a layout of its own) is built by
+    ``Linear``, freed by ``keep_only``, run by a fixed plan and timed by "auto" with no other
+    edit. (Mutant: an engine that lists the kernels it tries by name leaves the new one
+    out.)"""
+    import argparse
+
+    from specdec.config import ServiceConfig
+    from specdec.models.loading import load_engine
+    from specdec.rpc.service_main import add_service_arguments
+    from specdec.serving import kernels as K
+
+    assert K.KERNEL_CHOICES == ("auto",) + tuple(K.KERNELS)
+    parser = argparse.ArgumentParser()
+    add_service_arguments(parser, "default")
+    parser_choices = next(a.choices for a in parser._actions if a.dest == "kernels")
+    assert tuple(parser_choices) == K.KERNEL_CHOICES
+    with pytest.raises(ValueError, match="kernels must be one of auto, mkl, mkl-t, onednn"):
+        ServiceConfig(kernels="fast")
+    calls = []
+
+    def run(lin, x):
+        calls.append(x.shape[0])
+        return F.linear(x, lin.twice, lin.bias)
+
+    twice = K.Kernel("twice", ("twice",),
+                     lambda lin, codes, integer: setattr(lin, "twice", lin.plain.clone()),
+                     run, lambda device: device.type == "cpu", "a CPU")
+    monkeypatch.setitem(K.KERNELS, "twice", twice)
+    monkeypatch.setattr(K.Linear, "twice", None, raising=False)
+    weight, bias, x = torch.randn(24, 16), torch.randn(24), torch.randn(3, 16)
+    lin = K.Linear(weight, bias, K.KernelPlan.fixed("twice"))
+    assert lin.plain is None and lin.twice is not None  # its layout only
+    assert torch.allclose(lin(x), F.linear(x, weight, bias), atol=1e-5) and calls == [3]
+    both = K.Linear(weight, bias, K.KernelPlan(trying=("mkl", "twice")))
+    both.keep_only({"mkl"})
+    assert both.twice is None and both.plain is not None
+    engine = load_engine(tiny_models["target"], torch.device("cpu"), "twice")[0]
+    assert engine.kernels.chosen == ((1, "twice"),)
+    ref = load_engine(tiny_models["target"], torch.device("cpu"), "mkl")[0]
+    ids = torch.arange(7) + 100
+    got = engine.forward([engine.new_cache()], [ids], [2])[0]
+    assert torch.allclose(got, ref.forward([ref.new_cache()], [ids], [2])[0], atol=1e-4)
+    calls.clear()
+    load_engine(tiny_models["target"], torch.device("cpu"), "auto")
+    assert calls, "auto did not time the new kernel"
+
+
 def test_the_loader_runs_in_a_thread_that_has_ended_when_it_returns():
     seen = {}
 

@@ -11,9 +11,9 @@ import threading
 import time
 from typing import Callable
 
-from specdec.config import (DEFAULT_DTYPE, DEFAULT_NUMERICS, DTYPES, KERNEL_CHOICES, NUMERICS,
-                            ServiceConfig)
+from specdec.config import DEFAULT_DTYPE, DEFAULT_NUMERICS, DTYPES, NUMERICS, ServiceConfig
 from specdec.rpc.transport import DEFAULT_MAX_MESSAGE_BYTES
+from specdec.serving.kernels import KERNEL_CHOICES
 
 
 def configure_logging(level: str = "INFO") -> None:

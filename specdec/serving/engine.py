@@ -36,13 +36,12 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from specdec.config import DEFAULT_NUMERICS, KERNEL_CHOICES, NUMERICS
+from specdec.config import DEFAULT_NUMERICS, NUMERICS
 from specdec.serving.arch import ArchConfig, canonical_weights, rope_inv_freq
 from specdec.serving.kernels import (
+    KERNELS,
     MEASURED_ROWS,
     MKL,
-    MKL_T,
-    ONEDNN,
     QUANTIZATIONS,
     SMALLM,
     GroupedCodes,
@@ -50,8 +49,6 @@ from specdec.serving.kernels import (
     KernelPlan,
     Linear,
     choose_kernels,
-    prepack_available,
-    smallm_available,
     smallm_library,
     timed,
 )
@@ -90,8 +87,9 @@ class LlamaEngine(LayerOps):
         (``sd_linear_int``), every row count on smallm, so that a position's logits are the
         same bits whichever pass computes them; it applies on CPU where smallm runs (kernels
         auto or smallm) and the model has codes, and ``self.numerics`` says what runs."""
-        if kernels not in KERNEL_CHOICES:
-            raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
+        if kernels != "auto" and kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of auto, {', '.join(KERNELS)}, got "
+                             f"{kernels!r}")
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         self.arch = arch
@@ -126,21 +124,19 @@ class LlamaEngine(LayerOps):
                      codes: dict[str, GroupedCodes]) -> KernelPlan | None:
         """The CPU linear kernels' plan (None: F.linear everywhere, or int8), and
         ``self.numerics``: what runs. "auto" times the kernels at start and keeps the fastest
-        per shape; "mkl" is F.linear, "mkl-t" oneMKL on the transposed weight, "onednn"
-        prepacked weights, "smallm" specdec's own few-rows kernel (specdec.serving.kernels).
-        They are float32's: GPUs and other dtypes run F.linear."""
+        per shape, any other name is that kernel alone (``kernels.KERNELS``: "mkl" F.linear,
+        "mkl-t" oneMKL on the transposed weight, "onednn" prepacked weights, "smallm"
+        specdec's own few-rows kernel). They are float32's: GPUs and other dtypes run
+        F.linear."""
         fp32_cpu = self.device.type == "cpu" and self.dtype == torch.float32
-        onednn = fp32_cpu and prepack_available(self.device)  # (False off CPU)
-        if kernels in ("onednn", "smallm", "mkl-t") and not fp32_cpu:
+        if kernels not in ("auto", MKL) and not fp32_cpu:
             raise ValueError(f"kernels={kernels!r} runs float32 on CPU; {self.dtype} on "
                              f"{self.device.type} runs F.linear (kernels 'auto' or 'mkl')")
-        if kernels == "onednn" and not onednn:
-            raise ValueError("kernels='onednn' needs a CPU build of torch with oneDNN")
-        smallm = kernels in ("auto", SMALLM) and fp32_cpu and \
-            smallm_available(self.device)  # (built once)
-        if kernels == "smallm" and not smallm:
-            raise ValueError("kernels='smallm' needs a CPU with AVX-512 or AVX2 + FMA and a C "
-                             "compiler (cc, gcc or $CC)")
+        available = tuple(name for name, k in KERNELS.items()
+                          if fp32_cpu and k.available(self.device))
+        if kernels != "auto" and fp32_cpu and kernels not in available:
+            raise ValueError(f"kernels={kernels!r} needs {KERNELS[kernels].needs}")
+        smallm = kernels in ("auto", SMALLM) and SMALLM in available
         if quantize is not None and quantize not in QUANTIZATIONS:
             raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)} or None, got "
                              f"{quantize!r}")
@@ -149,9 +145,8 @@ class LlamaEngine(LayerOps):
         if integer:  # one kernel for every row count: no row's numbers depend on its pass
             return KernelPlan.fixed(SMALLM)
         if fp32_cpu and quantize is None:
-            return KernelPlan(trying=(MKL, MKL_T) + ((ONEDNN,) if onednn else ()) +
-                              ((SMALLM,) if smallm else ())) \
-                if kernels == "auto" else KernelPlan.fixed(kernels)
+            return KernelPlan(trying=available) if kernels == "auto" else \
+                KernelPlan.fixed(kernels)
         return None  # quantized: one int8 product for every shape, nothing to choose between
 
     def _load_weights(self, weights: dict[str, torch.Tensor], quantize: str | None,

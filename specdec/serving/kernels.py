@@ -397,55 +397,89 @@ class Linear:
         self.desc: LinDesc | None = None  # smallm's descriptor of the packed weight
         self.integer = False  # the codes on sd_linear_int (``integer`` and smallm in the plan)
         kernels = plan.used() if plan is not None else {MKL}
-        if MKL_T in kernels:
-            self.transposed = self.plain.t().contiguous()
-        if ONEDNN in kernels:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.plain, None)
-        if SMALLM in kernels:
-            self.lib, self.panel = smallm_library()
-            # (groups of 16 run the float product in either numerics: sd_linear_int's
-            # activation blocks are 32 wide)
-            coded = codes is not None and self.in_features % GROUP == 0
-            if coded and integer and codes.group == GROUP:
-                self.grouped, self.dm, self.bits = pack_groups_int(codes, self.panel)
-                self.integer = True
-            elif coded:
-                self.grouped, self.dm, self.bits = pack_groups(codes, self.panel)
-                self.group = codes.group
-            else:
-                self.panels = pack_panels(self.plain, self.panel)
-            self.bias = None if bias is None else bias.contiguous()
-            self.desc = LinDesc.describe(
-                self.panels if self.grouped is None else self.grouped, self.in_features,
-                self.out_features, self.bias, dm=self.dm, bits=self.bits, integer=self.integer,
-                group=self.group)
+        for name in kernels:
+            KERNELS[name].build(self, codes, integer)
         self.keep_only(kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in] -> [n, out]
         kernel = self.plan.kernel(x.shape[0]) if self.plan is not None else MKL
-        if kernel == ONEDNN:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if kernel == SMALLM:
-            return self._smallm(x)
-        if kernel == MKL_T:
-            if self.bias is None:
-                return torch.mm(x, self.transposed)
-            return torch.addmm(self.bias, x, self.transposed)
-        return F.linear(x, self.plain, self.bias)
-
-    def _smallm(self, x: torch.Tensor) -> torch.Tensor:
-        return run_desc(self.lib, self.desc, self.panel, x)
+        return KERNELS[kernel].run(self, x)
 
     def keep_only(self, kernels: set[str]) -> None:
         """Free the weight layouts no kernel in ``kernels`` reads."""
-        if MKL not in kernels:
-            self.plain = None
-        if MKL_T not in kernels:
-            self.transposed = None
-        if ONEDNN not in kernels:
-            self.packed = None
-        if SMALLM not in kernels:
-            self.panels = self.grouped = self.dm = self.desc = None
+        for name, kernel in KERNELS.items():
+            if name not in kernels:
+                for attr in kernel.layout:
+                    setattr(self, attr, None)
+
+    def _build_smallm(self, codes: GroupedCodes | None, integer: bool) -> None:
+        """smallm's layout: the codes (integer or float product) where the weight has them,
+        else float32 panels; and its descriptor."""
+        self.lib, self.panel = smallm_library()
+        # (groups of 16 run the float product in either numerics: sd_linear_int's activation
+        # blocks are 32 wide)
+        coded = codes is not None and self.in_features % GROUP == 0
+        if coded and integer and codes.group == GROUP:
+            self.grouped, self.dm, self.bits = pack_groups_int(codes, self.panel)
+            self.integer = True
+        elif coded:
+            self.grouped, self.dm, self.bits = pack_groups(codes, self.panel)
+            self.group = codes.group
+        else:
+            self.panels = pack_panels(self.plain, self.panel)
+        self.bias = None if self.bias is None else self.bias.contiguous()
+        self.desc = LinDesc.describe(
+            self.panels if self.grouped is None else self.grouped, self.in_features,
+            self.out_features, self.bias, dm=self.dm, bits=self.bits, integer=self.integer,
+            group=self.group)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A CPU float32 linear kernel, declared once: its name (what ``--kernels`` takes and a
+    ``KernelPlan`` holds), the ``Linear`` attributes holding the weight layout it reads,
+    how that layout is built, its product, where it runs, and what it needs when it cannot.
+    A new kernel is one entry of ``KERNELS`` (and its C side, if any, a branch of
+    ``sd_lin_run``)."""
+
+    name: str
+    layout: tuple[str, ...]
+    build: Callable[["Linear", "GroupedCodes | None", bool], None]
+    run: Callable[["Linear", torch.Tensor], torch.Tensor]
+    available: Callable[[torch.device], bool]
+    needs: str  # what is missing where it is not available
+
+    def __post_init__(self) -> None:
+        assert self.name != "auto"
+
+
+def _mkl_t(lin: "Linear", x: torch.Tensor) -> torch.Tensor:
+    return torch.mm(x, lin.transposed) if lin.bias is None else \
+        torch.addmm(lin.bias, x, lin.transposed)
+
+
+KERNELS: dict[str, Kernel] = {k.name: k for k in (
+    # "mkl": F.linear on the weight as stored ([out, in]), oneMKL's sgemm on CPU
+    Kernel(MKL, ("plain",), lambda lin, codes, integer: None,
+           lambda lin, x: F.linear(x, lin.plain, lin.bias), lambda device: True, ""),
+    # "mkl-t": oneMKL on the transposed weight ([in, out]): the 1-row product reads it in order
+    Kernel(MKL_T, ("transposed",),
+           lambda lin, codes, integer: setattr(lin, "transposed", lin.plain.t().contiguous()),
+           _mkl_t, lambda device: device.type == "cpu", "a CPU"),
+    # "onednn": oneDNN's prepacked weight (its own blocked layout), from 4 rows on most CPUs
+    Kernel(ONEDNN, ("packed",),
+           lambda lin, codes, integer: setattr(
+               lin, "packed", torch.ops.mkldnn._reorder_linear_weight(lin.plain, None)),
+           lambda lin, x: torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none",
+                                                             [], ""),
+           lambda device: prepack_available(device), "a CPU build of torch with oneDNN"),
+    # "smallm": specdec's few-rows kernel (native/smallm.c), on float32 panels or the codes
+    Kernel(SMALLM, ("panels", "grouped", "dm", "desc"), Linear._build_smallm,
+           lambda lin, x: run_desc(lin.lib, lin.desc, lin.panel, x),
+           lambda device: smallm_available(device),
+           "a CPU with AVX-512 or AVX2 + FMA and a C compiler (cc, gcc or $CC)"),
+)}
+KERNEL_CHOICES = ("auto",) + tuple(KERNELS)  # --kernels: "auto" times them at start
 
 
 class Int8Linear:
