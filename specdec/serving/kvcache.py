@@ -149,7 +149,7 @@ class KVPool:
                 raise KVPoolFull(f"KV pool full: {n} positions asked, {self._top} of "
                                  f"{self.slots} free")
             self._top -= n
-            got = self._free[self._top:self._top + n].copy()
+            got = self._free[self._top:self._top + n][::-1].copy()  # (ascending: a run)
             self.refs[got] = 1
             return got
 

@@ -102,10 +102,17 @@ class LayerOps:
             valid[i, :t] = True
             at += t
         write = np.concatenate([c.table[n0:end] for c, n0, end in zip(caches, lengths, ends)])
+        run = None  # one session whose keys are consecutive slots: read in place, no gather
+        if b == 1 and keys[0, -1] - keys[0, 0] == ends[0] - 1 and \
+                (ends[0] == 1 or (np.diff(keys[0]) == 1).all()):
+            run = (int(keys[0, 0]), int(keys[0, 0]) + ends[0])
         q_pos = np.asarray(lengths)[:, None] + np.arange(t_max)[None, :]  # [B, T]
         k_pos = np.arange(keys.shape[1])[None, None, :]  # [1, 1, S]
         masks = {}
         for window in self.windows:  # None: full causal
+            if b == 1 and t_max == 1 and (window is None or ends[0] <= window):
+                masks[window] = None  # one query that sees every key: no mask
+                continue
             mask = k_pos <= q_pos[:, :, None]  # [B, T, S]: causal (so never past the session)
             if window is not None:
                 mask &= k_pos > q_pos[:, :, None] - window  # transformers' sliding window
@@ -113,7 +120,8 @@ class LayerOps:
             mask[~valid, 0] = True  # a padding query sees one key (all-masked rows are NaN)
             masks[window] = torch.from_numpy(mask[:, None]).to(self.device)  # [B, 1, T, S]
         move = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        return _Gather(move(write), move(keys), move(rows), move(valid), masks)
+        out = np.flatnonzero(valid)  # the real queries in [B * T] order: the flat batch's
+        return _Gather(move(write), move(keys), move(rows), move(out), masks, run)
 
     def _block(self, x: torch.Tensor, li: int, layer: dict, caches: Sequence[KVCache],
                p: "_Pass") -> torch.Tensor:
@@ -212,19 +220,28 @@ class LayerOps:
         [N, hkv, d]."""
         a, g = self.arch, p.gather
         hq, hkv, d = a.num_heads, a.num_kv_heads, a.head_dim
-        pool = caches[0].pool
+        n, pool = q.shape[0], caches[0].pool
         pool.k[li].index_copy_(0, g.write, k)
         pool.v[li].index_copy_(0, g.write, v)
-        keys = pool.k[li][g.keys].transpose(1, 2)  # [B, hkv, S, d]
-        values = pool.v[li][g.keys].transpose(1, 2)
-        queries = q[g.rows].transpose(1, 2)  # [B, hq, T, d]
-        mask = g.masks[self.layer_window[li]]  # [B, 1, T, S]
+        if g.run is not None:  # one session on consecutive slots: its keys in place
+            keys = pool.k[li, g.run[0]:g.run[1]].transpose(0, 1)[None]  # [1, hkv, S, d]
+            values = pool.v[li, g.run[0]:g.run[1]].transpose(0, 1)[None]
+        else:
+            keys = pool.k[li][g.keys].transpose(1, 2)  # [B, hkv, S, d]
+            values = pool.v[li][g.keys].transpose(1, 2)
+        b = g.keys.shape[0]
+        # [B, hq, T, d]; one session's rows are the flat batch as it is
+        queries = q.transpose(0, 1)[None] if b == 1 else q[g.rows].transpose(1, 2)
+        mask = g.masks[self.layer_window[li]]  # [B, 1, T, S] or None
         if a.attn_softcap is not None:
             attn = self._softcapped_attention(queries, keys, values, mask)
         else:
             attn = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask,
                                                   enable_gqa=hq != hkv, scale=a.attn_scale)
-        return attn.transpose(1, 2)[g.valid].reshape(q.shape[0], hq * d)  # [B, T, hq, d]
+        attn = attn.transpose(1, 2)  # [B, T, hq, d]
+        if b == 1:
+            return attn.reshape(n, hq * d)
+        return attn.reshape(-1, hq * d)[g.out]
 
 
 class _Layer(ctypes.Structure):
@@ -268,5 +285,6 @@ class _Gather(NamedTuple):
     write: torch.Tensor  # [N] the slot each new token's keys and values go to
     keys: torch.Tensor  # [B, S] each session's slots, position by position (padded)
     rows: torch.Tensor  # [B, T] each session's rows in the flat batch (padded)
-    valid: torch.Tensor  # [B, T] bool: a real query
-    masks: dict  # window -> [B, 1, T, S] bool: the keys each query attends to
+    out: torch.Tensor  # [N] where the flat batch's rows are among the [B * T] queries
+    masks: dict  # window -> [B, 1, T, S] bool: the keys each query attends to (None: all)
+    run: tuple[int, int] | None  # one session on consecutive slots [start, end): no gather
