@@ -174,3 +174,38 @@ def test_branches_stop_at_the_drafts_context(tiny_services):
     room = max_ctx - len(history) - len(block) - 1
     assert len(proposal.branches) == len(block) + 1
     assert all(len(b.tokens) == room for b in proposal.branches)
+
+
+def test_a_greedy_draft_keeps_its_tokens_where_its_logits_are_between_steps(tiny_services):
+    """Greedy, a drafted token stays on the model's device as the next step's input (no
+    device-to-host copy between a GPU draft's steps) and the block is fetched once at the
+    end: each step's piece is the very tensor the last step's argmax made, the block is the
+    draft's own greedy continuation step by step, and the session holds what was fed.
+    (Mutant: fetching the token to build the next piece fails the identity.)"""
+    import torch
+
+    from specdec.serving.drafting import DraftWork
+    from specdec.serving.session import SessionStore
+
+    rt = tiny_services["near_draft"].runtime
+    engine, history, k = rt.engine, TOKEN_PROMPTS[1], 5
+    work = DraftWork(ProposeCall("on-device", 0, 0, history, k, GREEDY), engine,
+                     SessionStore(1 << 30, 8, 60.0))
+    work.start()
+    done, steps = False, 0
+    while not done:
+        piece = work.next_piece(1 << 20)
+        if work._on_device:
+            assert piece.tokens is work._on_device[-1]
+            steps += 1
+        logits = engine.forward([piece.cache], [piece.tokens], [piece.num_logits])[0]
+        done = work.consume(logits)
+    proposal = work.result()
+    assert steps == k - 1
+    cache = engine.new_cache()
+    want, nxt = [], engine.forward([cache], [torch.tensor(history)], [1])[0]
+    for _ in range(k):
+        want.append(int(engine.token_ids(nxt[-1:].argmax(-1))[0]))
+        nxt = engine.forward([cache], [torch.tensor(want[-1:])], [1])[0]
+    assert proposal.tokens == want
+    assert work.session.tokens == history + want[:-1] and proposal.cache_len == len(history) + k - 1

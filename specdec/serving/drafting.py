@@ -102,6 +102,12 @@ class DraftWork(Work):
         self.drafted: list[int] = []
         self.dists: list[tuple[list[int], list[float]]] = []
         self._q_params = draft_sampling(call.sampling, q_top_k)
+        # Greedy, with no penalty or grammar to read the host, a drafted token stays where
+        # the logits are, as the next step's input ([1] each), and the call fetches them once
+        # at its end: no device-to-host copy between a GPU draft's steps.
+        s = call.sampling
+        self._on_device: list[torch.Tensor] | None = \
+            [] if s.greedy and not s.penalized and not s.grammar else None
 
     def start(self) -> None:
         super().start()
@@ -122,6 +128,9 @@ class DraftWork(Work):
             chunk, prefill, num_logits = feed[self._fed : self._fed + n], True, 0
         elif remaining == 1:
             n, chunk, prefill, num_logits = 1, feed[-1:], False, 1
+        elif self._on_device is not None:  # the last drafted token, still on the device
+            self._piece_len = 1
+            return Piece(self.session.cache, self._on_device[-1], 1, False)
         else:
             n, chunk, prefill, num_logits = 1, self.drafted[-1:], False, 1
         self._piece_len = n
@@ -132,8 +141,15 @@ class DraftWork(Work):
             self._fed += self._piece_len
             if self._fed < len(self.call.tokens):
                 return False
-        else:
+        elif self._on_device is None:
             self.session.append(self.drafted[-1:])  # the drafted token just fed
+        if self._on_device is not None:
+            logits = bias_logits(logits[-1:], self.call.sampling, self.engine.vocab_in,
+                                 self.engine.vocab_map)
+            self._on_device.append(self.engine.token_ids(logits.argmax(-1)))  # [1]
+            if len(self._on_device) == 1:
+                self.session.append(self.call.tokens)
+            return len(self._on_device) >= self.k
         position = self.call.prefix_len + len(self.call.tokens) + len(self.drafted)
         sampling = self.call.sampling
         vocab_map = self.engine.vocab_map
@@ -179,6 +195,10 @@ class DraftWork(Work):
         return len(self.drafted) >= self.k
 
     def result(self) -> Proposal:
+        if self._on_device:  # one copy for the whole block; the session holds all it fed
+            self.drafted = torch.cat(self._on_device).tolist()
+            self.session.append(self.drafted[:-1])
+            self._on_device = []
         self.session.calls += 1
         self.session.tokens_in += len(self.call.tokens)
         self.session.proposed += len(self.drafted)
