@@ -8,7 +8,7 @@ import torch
 from conftest import BlockWork
 from families import make_config
 
-from specdec.serving.arch import canonical_weights
+from specdec.serving.arch import ArchConfig, canonical_weights
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.kvcache import KVPool, KVPoolFull, PooledCache
 
@@ -26,9 +26,9 @@ def torch_engine(name: str, **overrides) -> LlamaEngine:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
-    arch_engine = LlamaEngine.from_hf(model, kernels="mkl")
-    engine = LlamaEngine(arch_engine.arch, canonical_weights(model.state_dict(), arch_engine.arch),
-                         kernels="mkl", native=False)
+    arch = ArchConfig.from_hf(model.config)
+    engine = LlamaEngine(arch, canonical_weights(model.state_dict(), arch), kernels="mkl",
+                         native=False)
     assert engine.native is None
     return engine
 

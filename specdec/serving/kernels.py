@@ -472,12 +472,11 @@ KERNELS: dict[str, Kernel] = {k.name: k for k in (
                lin, "packed", torch.ops.mkldnn._reorder_linear_weight(lin.plain, None)),
            lambda lin, x: torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none",
                                                              [], ""),
-           lambda device: prepack_available(device), "a CPU build of torch with oneDNN"),
+           prepack_available, "a CPU build of torch with oneDNN"),
     # "smallm": specdec's few-rows kernel (native/smallm.c), on float32 panels or the codes
     Kernel(SMALLM, ("panels", "grouped", "dm", "desc"), Linear._build_smallm,
            lambda lin, x: run_desc(lin.lib, lin.desc, lin.panel, x),
-           lambda device: smallm_available(device),
-           "a CPU with AVX-512 or AVX2 + FMA and a C compiler (cc, gcc or $CC)"),
+           smallm_available, "a CPU with AVX-512 or AVX2 + FMA and a C compiler (cc, gcc or $CC)"),
 )}
 KERNEL_CHOICES = ("auto",) + tuple(KERNELS)  # --kernels: "auto" times them at start
 

@@ -19,6 +19,18 @@ import torch
 from specdec.serving.arch import ArchConfig
 
 
+def _fits_context(arch: ArchConfig, length: int) -> None:
+    if length > arch.max_context:
+        raise ValueError(f"sequence of {length} tokens exceeds the model's context of "
+                         f"{arch.max_context}")
+
+
+def _grown(arch: ArchConfig, length: int, granule: int, floor: int = 0) -> int:
+    """The capacity a cache takes for ``length`` positions: whole granules, at least
+    ``floor``, never past the model's context."""
+    return min(max(floor, -(-length // granule) * granule), max(arch.max_context, length))
+
+
 class KVCache:
     """Keys and values of one session: [layers, kv_heads, capacity, head_dim] each.
 
@@ -54,14 +66,9 @@ class KVCache:
         self.k, self.v = k, v
 
     def ensure(self, length: int) -> None:
-        if length > self.arch.max_context:
-            raise ValueError(
-                f"sequence of {length} tokens exceeds the model's context of "
-                f"{self.arch.max_context}"
-            )
+        _fits_context(self.arch, length)
         if length > self.capacity:
-            grown = max(2 * self.capacity, -(-length // self.GRANULE) * self.GRANULE)
-            self._reserve(min(grown, max(self.arch.max_context, length)))
+            self._reserve(_grown(self.arch, length, self.GRANULE, 2 * self.capacity))
 
     def truncate(self, length: int) -> None:
         assert 0 <= length <= self.length, (length, self.length)
@@ -98,9 +105,11 @@ class KVPool:
     free again when the last of them lets go (a reference count per slot).
 
     ``reclaim(need)``, set by the service, is called when fewer than ``need`` slots are free:
-    it evicts idle sessions (their slots come back as their caches are freed). What is still
-    short raises ``KVPoolFull``: the scheduler reruns the pass call by call and the call that
-    does not fit alone fails with RESOURCE_EXHAUSTED; the others complete.
+    it evicts idle sessions (their slots come back as their caches are freed). The scheduler
+    admits only the calls whose slots are free (``BatchScheduler._fitting``: the others wait,
+    or the newest generation is preempted); ``KVPoolFull`` is the backstop should a pass
+    still run short: the scheduler reruns it call by call, and the call that does not fit
+    alone fails with RESOURCE_EXHAUSTED while the others complete.
     """
 
     def __init__(self, arch: ArchConfig, device: torch.device, dtype: torch.dtype, slots: int):
@@ -115,6 +124,7 @@ class KVPool:
         self.k[:, 0] = 0
         self.v[:, 0] = 0
         self.slots = slots
+        self.slot_nbytes = self.slot_bytes(arch, dtype)
         self.refs = np.zeros(slots + 1, dtype=np.int32)  # caches holding each slot
         self._free = np.arange(slots, 0, -1, dtype=np.int64)  # a stack: _free[:_top]
         self._top = slots
@@ -134,7 +144,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.slots * self.slot_bytes(self.arch, self.k.dtype)
+        return self.slots * self.slot_nbytes
 
     @property
     def used(self) -> int:
@@ -193,19 +203,13 @@ class PooledCache:
 
     @property
     def nbytes(self) -> int:
-        return self.capacity * KVPool.slot_bytes(self.arch, self.pool.k.dtype)
+        return self.capacity * self.pool.slot_nbytes
 
     def ensure(self, length: int) -> None:
         """Slots for positions [self.length, length), the next pass's writes, none shared."""
-        if length > self.arch.max_context:
-            raise ValueError(
-                f"sequence of {length} tokens exceeds the model's context of "
-                f"{self.arch.max_context}"
-            )
+        _fits_context(self.arch, length)
         if length > self.capacity:
-            grown = -(-length // self.GRANULE) * self.GRANULE
-            more = self.pool.allocate(min(grown, max(self.arch.max_context, length)) -
-                                      self.capacity)
+            more = self.pool.allocate(_grown(self.arch, length, self.GRANULE) - self.capacity)
             self.table = np.concatenate([self.table, more])
         written = self.table[self.length:length]
         shared = np.flatnonzero(self.pool.refs[written] > 1)
@@ -217,10 +221,7 @@ class PooledCache:
     def needed(self, new: int) -> int:
         """Free slots ``ensure(self.length + new)`` would take: growth and shared positions."""
         end = self.length + new
-        grow = 0
-        if end > self.capacity:
-            grow = min(-(-end // self.GRANULE) * self.GRANULE,
-                       max(self.arch.max_context, end)) - self.capacity
+        grow = _grown(self.arch, end, self.GRANULE) - self.capacity if end > self.capacity else 0
         written = self.table[self.length:min(end, self.capacity)]
         return grow + int((self.pool.refs[written] > 1).sum())
 

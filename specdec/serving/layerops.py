@@ -103,8 +103,7 @@ class LayerOps:
             at += t
         write = np.concatenate([c.table[n0:end] for c, n0, end in zip(caches, lengths, ends)])
         run = None  # one session whose keys are consecutive slots: read in place, no gather
-        if b == 1 and keys[0, -1] - keys[0, 0] == ends[0] - 1 and \
-                (ends[0] == 1 or (np.diff(keys[0]) == 1).all()):
+        if b == 1 and (np.diff(keys[0]) == 1).all():
             run = (int(keys[0, 0]), int(keys[0, 0]) + ends[0])
         q_pos = np.asarray(lengths)[:, None] + np.arange(t_max)[None, :]  # [B, T]
         k_pos = np.arange(keys.shape[1])[None, None, :]  # [1, 1, S]
@@ -120,6 +119,8 @@ class LayerOps:
             mask[~valid, 0] = True  # a padding query sees one key (all-masked rows are NaN)
             masks[window] = torch.from_numpy(mask[:, None]).to(self.device)  # [B, 1, T, S]
         move = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
+        if b == 1:  # its rows are the flat batch as it is: no row indices to send
+            return _Gather(move(write), None if run else move(keys), None, None, masks, run)
         out = np.flatnonzero(valid)  # the real queries in [B * T] order: the flat batch's
         return _Gather(move(write), move(keys), move(rows), move(out), masks, run)
 
@@ -229,7 +230,7 @@ class LayerOps:
         else:
             keys = pool.k[li][g.keys].transpose(1, 2)  # [B, hkv, S, d]
             values = pool.v[li][g.keys].transpose(1, 2)
-        b = g.keys.shape[0]
+        b = len(caches)
         # [B, hq, T, d]; one session's rows are the flat batch as it is
         queries = q.transpose(0, 1)[None] if b == 1 else q[g.rows].transpose(1, 2)
         mask = g.masks[self.layer_window[li]]  # [B, 1, T, S] or None
@@ -283,8 +284,9 @@ class _Gather(NamedTuple):
     """A pass's sessions in the KV pool (LayerOps._gather), on the device."""
 
     write: torch.Tensor  # [N] the slot each new token's keys and values go to
-    keys: torch.Tensor  # [B, S] each session's slots, position by position (padded)
-    rows: torch.Tensor  # [B, T] each session's rows in the flat batch (padded)
-    out: torch.Tensor  # [N] where the flat batch's rows are among the [B * T] queries
+    keys: torch.Tensor | None  # [B, S] each session's slots, position by position (padded;
+    # None: ``run``)
+    rows: torch.Tensor | None  # [B, T] each session's rows in the flat batch (padded; None: B 1)
+    out: torch.Tensor | None  # [N] where the flat batch's rows are among the [B * T] queries
     masks: dict  # window -> [B, 1, T, S] bool: the keys each query attends to (None: all)
     run: tuple[int, int] | None  # one session on consecutive slots [start, end): no gather

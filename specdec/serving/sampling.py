@@ -143,6 +143,12 @@ def _fmix32(h):
     return h ^ (h >> 16)
 
 
+def _hash(token_ids, k1, k2):
+    """The coupling hash of token ids (uint32 in numpy, int64 in torch) under the key (k1,
+    k2): two rounds of the finalizer after the golden-ratio multiply."""
+    return _fmix32(_fmix32(_mul32(token_ids, 0x9E3779B9) ^ k1) ^ k2)
+
+
 def _keys(seed: int, position: int) -> np.ndarray:
     """The 64-bit key of (seed, position), as two uint32."""
     return np.random.SeedSequence([int(seed), int(position), _DOMAINS["coupling"]]) \
@@ -158,10 +164,8 @@ def coupling_noise(seed: int, position: int, token_ids: np.ndarray) -> np.ndarra
     vocabulary mapped to target ids) and the target (over its whole support) see the same
     E[t] for the same t. ``device_noise`` is the same hash on a device.
     """
-    k1, k2 = _keys(seed, position)
     with np.errstate(over="ignore"):
-        h = _fmix32(_mul32(np.asarray(token_ids).astype(np.uint32), 0x9E3779B9) ^ k1) ^ k2
-        h = _fmix32(h)
+        h = _hash(np.asarray(token_ids).astype(np.uint32), *_keys(seed, position))
     # U in (0, 1) (never 0 or 1), E = -log U
     return -np.log((h.astype(np.float64) + 0.5) * (1.0 / 2**32))
 
@@ -172,13 +176,12 @@ def device_noise(seed: int, positions: range, token_ids: torch.Tensor) -> torch.
     draws the very noise the CPU does (the final log: torch's, equal to numpy's on CPU)."""
     keys = torch.tensor(np.stack([_keys(seed, p) for p in positions]).astype(np.int64),
                         device=token_ids.device)  # [n, 2]
-    h = _mul32(token_ids.to(torch.int64) & _M32, 0x9E3779B9)[None, :] ^ keys[:, :1]
-    h = _fmix32(_fmix32(h) ^ keys[:, 1:])
+    h = _hash(token_ids.to(torch.int64)[None, :] & _M32, keys[:, :1], keys[:, 1:])
     return -torch.log((h.double() + 0.5) * (1.0 / 2**32))
 
 
 def coupled_choices(probs: torch.Tensor, seed: int, first_position: int,
-                    token_ids: torch.Tensor | None = None) -> list[int]:
+                    token_ids: np.ndarray | torch.Tensor | None = None) -> list[int]:
     """``coupled_choice`` at each row of probs [n, vocab], row i at position
     first_position + i, computed on probs' device (``device_noise``) and fetched in one copy:
     a verify block's k + 1 positions on a GPU."""

@@ -294,7 +294,7 @@ class BatchScheduler:
         return {e.work.session_id for e in self._active}
 
     def _admit(self, active: list[_Entry]) -> None:
-        busy = {e.work.session_id for e in active}
+        busy = self.busy()
         keep: collections.deque[_Entry] = collections.deque()
         while self._queue:
             entry = self._queue.popleft()
