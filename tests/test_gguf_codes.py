@@ -65,7 +65,7 @@ def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(bits, group,
     """sd_linear_g (8-bit codes), sd_linear_g4 (0..15, two per byte) and sd_linear_g16
     (8-bit codes in groups of 16: Q6_K's) against sd_linear on the dequantized weight:
     identical for every row count up to two chunks of 8, ragged panels, both thread shares,
-    with a bias; a 16-group weight asked for integer numerics runs this float product."""
+    with a bias."""
     gen = torch.Generator().manual_seed(out_features)
     lo, hi = (-127, 128) if bits == 8 else (0, 16)
     q = torch.randint(lo, hi, (out_features, 96), generator=gen, dtype=torch.int8)
@@ -76,7 +76,7 @@ def test_grouped_codes_give_the_float32_kernels_results_bit_for_bit(bits, group,
     w = codes.dequantize()
     b = torch.randn(out_features, generator=gen)
     plan = KernelPlan.fixed(SMALLM)
-    fp32, grouped = Linear(w, b, plan), Linear(w, b, plan, codes, integer=group == 16)
+    fp32, grouped = Linear(w, b, plan), Linear(w, b, plan, codes)
     assert grouped.panels is None and grouped.bits == bits and not grouped.integer
     assert grouped.grouped.numel() == grouped.dm.shape[0] * 96 * grouped.panel * bits // 8
     # the AVX2 kernels too (8-column panels), which an AVX-512 machine runs as well

@@ -1,7 +1,9 @@
 """The integer numerics (native/intlinear.c's sd_linear_int, ``numerics="integer"``): every
 kernel path equals the scalar reference bit for bit, a row's output never depends on the pass
 that computes it (row counts 1..64, batch compositions, threads), the product is the quantized
-one within its stated bound of the float product, and a row-count-dependent mutant is caught."""
+one within its stated bound of the float product, and a row-count-dependent mutant is caught.
+Each for the three code shapes: 4-bit and 8-bit codes in groups of 32 (Q4_1, Q8_0) and 8-bit
+codes in groups of 16 (Q6_K: ``CODES``' "q6")."""
 
 import pytest
 import torch
@@ -19,22 +21,27 @@ from specdec.serving.kernels import (
 PATHS = {0: "scalar reference", 1: "byte pairs (AVX2 / AVX512BW)", 2: "VNNI"}
 
 
-def random_codes(out_features: int, in_features: int, bits: int, seed: int) -> GroupedCodes:
-    """Q4_1-like (codes 0..15 with a minimum) or Q8_0-like (codes -127..127, no minimum)
-    groups, d and m exact fp16 values as a GGUF file's."""
+# The code shapes: (codes' range, group, with a minimum): Q4_1-like codes 0..15 with a minimum,
+# Q8_0-like -127..127 without, Q6_K-like -32..31 in groups of 16 without.
+CODES = {4: ((0, 16), 32, True), 8: ((-127, 128), 32, False), "q6": ((-32, 32), 16, False)}
+
+
+def random_codes(out_features: int, in_features: int, bits, seed: int) -> GroupedCodes:
+    """Codes of one of ``CODES``' shapes, d and m exact fp16 values as a GGUF file's."""
     gen = torch.Generator().manual_seed(seed)
-    lo, hi = (-127, 128) if bits == 8 else (0, 16)
+    (lo, hi), group, with_min = CODES[bits]
     q = torch.randint(lo, hi, (out_features, in_features), generator=gen, dtype=torch.int8)
-    groups = in_features // 32
+    groups = in_features // group
     d = torch.rand(out_features, groups, generator=gen).half().float() / 64
-    m = torch.zeros(out_features, groups) if bits == 8 else \
-        torch.randn(out_features, groups, generator=gen).half().float() / 8
+    m = torch.randn(out_features, groups, generator=gen).half().float() / 8 if with_min else \
+        torch.zeros(out_features, groups)
     return GroupedCodes(q, d, m)
 
 
 def int_product(codes: GroupedCodes, x: torch.Tensor, bias=None, panel=None, path=2,
-                threads=1) -> torch.Tensor:
-    """sd_linear_int on ``panel``'s packing, its kernel path capped at ``path``."""
+                threads=1, group=None) -> torch.Tensor:
+    """sd_linear_int on ``panel``'s packing, its kernel path capped at ``path``; ``group``:
+    the group the kernel is told (the codes' own unless a test lies)."""
     lib, native_panel = smallm_library()
     panel = panel or native_panel
     w, dm, bits = pack_groups_int(codes, panel)
@@ -44,8 +51,8 @@ def int_product(codes: GroupedCodes, x: torch.Tensor, bias=None, panel=None, pat
     try:
         assert lib.sd_linear_int(x.data_ptr(), w.data_ptr(), dm.data_ptr(),
                                  None if bias is None else bias.data_ptr(), y.data_ptr(),
-                                 x.shape[0], x.shape[1], codes.q.shape[0], bits, panel,
-                                 threads) == 0
+                                 x.shape[0], x.shape[1], codes.q.shape[0], bits,
+                                 group or codes.group, panel, threads) == 0
     finally:
         lib.sd_int_cap(2)
     return y
@@ -69,7 +76,7 @@ def assert_rows_identical(product, x: torch.Tensor) -> None:
 
 
 @needs_smallm
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, "q6"])
 @pytest.mark.parametrize("out_features", [1, 15, 37, 300])
 def test_every_kernel_path_equals_the_scalar_reference(bits, out_features):
     """Each panel width's VNNI and byte-pair paths, one and two threads, give the scalar
@@ -88,43 +95,51 @@ def test_every_kernel_path_equals_the_scalar_reference(bits, out_features):
 
 
 @needs_smallm
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, "q6"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_rows_output_is_the_same_bits_in_any_pass(bits, threads):
     """Rows 1..64 of a pass, alone, in every prefix and in another order: the same bits, on
     the widest path here and split between threads (300 columns: 19 panels of 16)."""
-    codes = random_codes(300, 128, bits, seed=bits)
+    codes = random_codes(300, 128, bits, seed={4: 4, 8: 8, "q6": 6}[bits])
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(2))
     assert_rows_identical(lambda rows: int_product(codes, rows, threads=threads), x)
 
 
 def quantized_product(codes: GroupedCodes, x: torch.Tensor) -> torch.Tensor:
     """What sd_linear_int computes, in float64 from the definition: x quantized per row and
-    block of 32 (dx = max |x| / 127, xq = round(x / dx)), sum_g d dx sum(q xq) + m dx sum(xq)."""
+    block of the codes' group (dx = max |x| / 127, xq = round(x / dx)),
+    sum_g d dx sum(q xq) + m dx sum(xq)."""
     n, k = codes.q.shape
-    xb = x.view(x.shape[0], k // 32, 32)
+    g = codes.group
+    xb = x.view(x.shape[0], k // g, g)
     dx = xb.abs().amax(-1) / 127  # [rows, groups]
     inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
     xq = torch.round(xb * inv[..., None]).clamp(-127, 127).double()
-    q = codes.q.view(n, k // 32, 32).double()
+    q = codes.q.view(n, k // g, g).double()
     isum = torch.einsum("rgk,ngk->rng", xq, q)
     return (codes.d.double()[None] * dx.double()[:, None] * isum
             + codes.m.double()[None] * (dx.double() * xq.sum(-1))[:, None]).sum(-1)
 
 
 @needs_smallm
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 8, "q6"])
 def test_the_product_is_the_quantized_one_within_its_bound_of_the_float_product(bits):
     """The kernel is the quantized product up to float32 rounding (relative 1e-5), and the
     quantized product is the float product within its bound: each activation moves by at
-    most dx / 2, so |y_int - y| <= sum_g dx_g / 2 * sum_{k in g} |w_k| (plus rounding)."""
+    most dx / 2, so |y_int - y| <= sum_g dx_g / 2 * sum_{k in g} |w_k| (plus rounding).
+    Groups of 16 told they are 32s (the kernel's blocks and the codes' groups apart) fail
+    the first check."""
     codes = random_codes(40, 128, bits, seed=3)
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(4)) * 3
     got, w = int_product(codes, x).double(), codes.dequantize().double()
     want = quantized_product(codes, x)
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
-    dx = x.view(9, 4, 32).abs().amax(-1).double() / 127  # [rows, groups]
-    bound = (dx[:, None, :] / 2 * w.view(40, 4, 32).abs().sum(-1)[None]).sum(-1)
+    if codes.group == 16:
+        lied = int_product(codes, x, group=32).double()
+        assert float((lied - want).abs().max()) > 1e-2 * float(want.abs().max())
+    g = codes.group
+    dx = x.view(9, 128 // g, g).abs().amax(-1).double() / 127  # [rows, groups]
+    bound = (dx[:, None, :] / 2 * w.view(40, 128 // g, g).abs().sum(-1)[None]).sum(-1)
     err = (got - x.double() @ w.T).abs()
     assert bool((err <= bound * 1.0001 + 1e-5).all())
     assert float(err.max()) > 1e-4  # (the quantization shows: this is not the float product)
@@ -271,10 +286,10 @@ def test_the_thread_count_does_not_change_a_bit(tiny_models):
 
 @needs_smallm
 def test_layers_in_groups_of_16_run_in_the_whole_stack_bit_for_bit(tiny_models):
-    """Q6_K-like down projections (8-bit codes in groups of 16, sd_linear_g16) in the
-    whole-stack call and on a team of two threads: float numerics give the float32 model's
-    logits exactly; integer numerics run those layers' float product beside the others'
-    integer one, the same bits in any pass."""
+    """Q6_K-like down projections (8-bit codes in groups of 16) in the whole-stack call and
+    on a team of two threads: float numerics (sd_linear_g16) give the float32 model's logits
+    exactly; integer numerics run them on the integer product too (activations in blocks of
+    16), the same bits in any pass."""
     from specdec.serving.engine import LlamaEngine
 
     before = torch.get_num_threads()
@@ -287,8 +302,8 @@ def test_layers_in_groups_of_16_run_in_the_whole_stack_bit_for_bit(tiny_models):
         arch, weights, _ = coded_weights(tiny_models, q6_down=True)
         plain = LlamaEngine(arch, weights, "cpu", "smallm")
         integer = coded_engine(tiny_models, "integer", q6_down=True)
-        assert all(not layer["down"].integer and layer["gate_up"].integer
-                   for layer in integer.layers)
+        assert all(layer["down"].integer and layer["down"].group == 16
+                   and layer["gate_up"].integer for layer in integer.layers)
         prompts, block = [torch.arange(100, 140), torch.arange(7, 30)], torch.arange(500, 505)
         for engine in (coded, plain, integer):
             caches = [engine.new_cache() for _ in prompts]

@@ -150,11 +150,12 @@ def smallm_library() -> tuple[ctypes.CDLL, int] | None:
     ptr, i32, i64, f32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
     lib.sd_lin_run.argtypes = [ptr, ptr, ptr, i32, i32, i32]
     lib.sd_lin_run.restype = i32
-    lib.sd_linear_int.argtypes = [ptr] * 5 + [i32] * 6
+    lib.sd_linear_int.argtypes = [ptr] * 5 + [i32] * 7
     lib.sd_linear_int.restype = i32
     lib.sd_int_path.argtypes, lib.sd_int_path.restype = [i32], i32
     lib.sd_int_cap.argtypes, lib.sd_int_cap.restype = [i32], None
-    lib.sd_quantize_rows.argtypes, lib.sd_quantize_rows.restype = [ptr, i32, i32] + [ptr] * 3, None
+    lib.sd_quantize_rows.argtypes = [ptr, i32, i32, i32] + [ptr] * 3
+    lib.sd_quantize_rows.restype = None
     lib.sd_add_rms_norm.argtypes = [ptr] * 4 + [i32, i32, f32]
     lib.sd_attend.argtypes = [ptr, i32, i32, ptr, ptr, ptr, ptr, i64, i32, i32, f32, i32, i32,
                               i32, ptr]
@@ -249,9 +250,10 @@ def pack_groups(codes: GroupedCodes, panel: int) -> tuple[torch.Tensor, torch.Te
 def pack_groups_int(codes: GroupedCodes, panel: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(the codes as ``sd_linear_int`` reads them, see native/intlinear.c: 4 consecutive k of a
     column in one 32-bit lane; 4-bit codes two k per byte, k and k + 4 of each 8; 8-bit codes
-    as q + 128; the groups' d and m as ``pack_groups``'; the codes' bits)."""
+    as q + 128, in groups of 32 or 16; the groups' d and m as ``pack_groups``'; the codes'
+    bits)."""
     n, k = codes.q.shape
-    groups, bits = k // GROUP, codes.bits
+    groups, bits = k // codes.group, codes.bits
     dm = _pack_dm(codes, panel)
     padded = torch.zeros(-(-n // panel) * panel, k, dtype=torch.int16)
     padded[:n] = codes.q.to(torch.int16)
@@ -259,7 +261,8 @@ def pack_groups_int(codes: GroupedCodes, panel: int) -> tuple[torch.Tensor, torc
         q = padded.view(-1, panel, groups, 4, 2, 4)
         packed = (q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)
     else:  # [panels, panel, groups, h, b] -> [panels, groups, h, panel, b]
-        packed = (padded + 128).view(-1, panel, groups, 8, 4).permute(0, 2, 3, 1, 4)
+        packed = (padded + 128).view(-1, panel, groups, codes.group // 4, 4)
+        packed = packed.permute(0, 2, 3, 1, 4)
     return packed.to(torch.uint8).contiguous(), dm, bits
 
 
@@ -377,7 +380,8 @@ class Linear:
     ``panels`` (smallm's, ``pack_panels``). With ``codes`` (the same weight as grouped int8
     codes, exactly) smallm reads those instead (``grouped``, ``dm``): the same results from a
     quarter of the bytes. With ``integer`` too, smallm runs the integer numerics on them
-    (``sd_linear_int``, native/intlinear.c): x quantized to int8 per block of 32, exact int32
+    (``sd_linear_int``, native/intlinear.c): x quantized to int8 per block of 32 (16 for
+    Q6_K's groups), exact int32
     block sums; not the float product's numbers, but each row's the same in any pass.
     """
 
@@ -416,14 +420,13 @@ class Linear:
         """smallm's layout: the codes (integer or float product) where the weight has them,
         else float32 panels; and its descriptor."""
         self.lib, self.panel = smallm_library()
-        # (groups of 16 run the float product in either numerics: sd_linear_int's activation
-        # blocks are 32 wide)
         coded = codes is not None and self.in_features % GROUP == 0
-        if coded and integer and codes.group == GROUP:
+        if coded and integer:
             self.grouped, self.dm, self.bits = pack_groups_int(codes, self.panel)
             self.integer = True
         elif coded:
             self.grouped, self.dm, self.bits = pack_groups(codes, self.panel)
+        if coded:
             self.group = codes.group
         else:
             self.panels = pack_panels(self.plain, self.panel)

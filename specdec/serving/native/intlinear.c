@@ -6,6 +6,9 @@
 // with one float scale (dx = max |x| / 127, xq = round(x / dx)), s = dx * sum(xq) kept per row
 // and block; then for one column and block
 //     sum_k x_k (d q_k + m)  ~  (d dx) * sum_k q_k xq_k + m * s
+// A Q6_K weight's 8-bit codes come in groups of 16 (one d each): for those the activations are
+// quantized per block of 16 too, so every block of the product is one group of the weight's
+// (``group``, 32 or 16, below; 4-bit codes are always in 32s).
 // with the integer sum exact in int32 (vpdpbusd: 64 byte products per instruction where the
 // float path does 16 FMAs, after forming each weight from its code). Per row, column and block
 // the float step is the same two fused multiply-adds in the same order whichever kernel runs,
@@ -18,7 +21,7 @@
 // column share a 32-bit lane (vpdpbusd's unit), panels of P columns as smallm.c's:
 //   4 bits: [panel][group][h = 0..3][P columns][4 bytes], byte b of column c holds
 //           k = 8h + b (low nibble) and k = 8h + 4 + b (high nibble) of the group
-//   8 bits: [panel][group][h = 0..7][P columns][4 bytes], k = 4h + b, stored as q + 128
+//   8 bits: [panel][group][h = 0..group/4-1][P columns][4 bytes], k = 4h + b, stored q + 128
 // (unsigned, vpdpbusd's first operand; the + 128 is taken off exactly as 128 * sum(xq)).
 // dm: the groups' d and m as smallm.c's sd_linear_g reads them, [panel][group][2][P].
 // Each ISA body below is this file included once more under its target; the path is chosen
@@ -36,9 +39,9 @@
 void sd_panel_share(int panels, int t, int n, int *p0, int *p1);  /* smallm.c's split */
 void sd_linear_int_panels(const signed char *xq, const float *dxs, const int *xsum,
                           const unsigned char *wq, const float *dm, const float *bias, float *y,
-                          int M, int K, int N, int bits, int panel, int p0, int p1);
+                          int M, int K, int N, int bits, int group, int panel, int p0, int p1);
 
-#define IGROUP 32  /* k per block (GGUF's), as smallm.c's SD_GROUP */
+#define IGROUP 32  /* k per block of 4-bit codes (GGUF's), as smallm.c's SD_GROUP */
 #define IPREFETCH 768  /* bytes ahead along a panel's stream (smallm.c's PREFETCH_Q8_BYTES) */
 #define MAXROWS 16  /* rows of x per streaming of the weight, at most (ROWS per ISA below) */
 
@@ -48,25 +51,25 @@ static inline int load_i32(const signed char *p) {
   return v;
 }
 
-// x[M, K] -> xq[M, K] int8, and per row and block dxs[(r * groups + g) * 2] = (dx, s) and
-// xsum[r * groups + g] = sum(xq). Every step is exact or one IEEE rounding (max, one product,
-// round to nearest even, integer sums), so any build of it, vectorised or
-// not, gives the same codes.
-static void quantize_rows(const float *x, int M, int K, signed char *xq, float *dxs,
+// x[M, K] -> xq[M, K] int8, and per row and block of ``gs`` (32 or 16)
+// dxs[(r * groups + g) * 2] = (dx, s) and xsum[r * groups + g] = sum(xq). Every step is exact
+// or one IEEE rounding (max, one product, round to nearest even, integer sums), so any build
+// of it, vectorised or not, gives the same codes.
+static void quantize_rows(const float *x, int M, int K, int gs, signed char *xq, float *dxs,
                           int *xsum) {
-  int groups = K / IGROUP;
+  int groups = K / gs;
   for (long r = 0; r < M; r++)
     for (int g = 0; g < groups; g++) {
-      const float *xr = x + r * K + (long)g * IGROUP;
-      signed char *q = xq + r * K + (long)g * IGROUP;
+      const float *xr = x + r * K + (long)g * gs;
+      signed char *q = xq + r * K + (long)g * gs;
       float amax = 0.0f;
-      for (int k = 0; k < IGROUP; k++) {
+      for (int k = 0; k < gs; k++) {
         float a = fabsf(xr[k]);
         amax = a > amax ? a : amax;
       }
       float dx = amax / 127.0f, id = dx != 0.0f ? 1.0f / dx : 0.0f;
       int sum = 0;
-      for (int k = 0; k < IGROUP; k++) {
+      for (int k = 0; k < gs; k++) {
         int c = (int)lrintf(xr[k] * id);  // (cvtss2si: to nearest, ties to even)
         c = c > 127 ? 127 : c < -127 ? -127 : c;
         q[k] = (signed char)c;
@@ -82,8 +85,8 @@ static void quantize_rows(const float *x, int M, int K, signed char *xq, float *
 // integer sums and the same float steps, column by column.
 static void linear_int_ref(const signed char *xq, const float *dxs, const unsigned char *w,
                            const float *dm, const float *bias, float *y, int M, int K, int N,
-                           int ldy, int bits, int P) {
-  int groups = K / IGROUP;
+                           int ldy, int bits, int gs, int P) {
+  int groups = K / gs;
   long panel_bytes = (long)K * P * bits / 8;
   for (int n = 0; n < N; n++) {
     int p = n / P, c = n % P;
@@ -91,7 +94,7 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
     for (int r = 0; r < M; r++) {
       float acc = 0.0f;
       for (int g = 0; g < groups; g++) {
-        const signed char *x = xq + (long)r * K + (long)g * IGROUP;
+        const signed char *x = xq + (long)r * K + (long)g * gs;
         int isum = 0;
         if (bits == 4)
           for (int h = 0; h < 4; h++)
@@ -100,9 +103,9 @@ static void linear_int_ref(const signed char *xq, const float *dxs, const unsign
               isum += (byte & 15) * x[8 * h + b] + (byte >> 4) * x[8 * h + 4 + b];
             }
         else
-          for (int h = 0; h < 8; h++)
+          for (int h = 0; h < gs / 4; h++)
             for (int b = 0; b < 4; b++)
-              isum += (wp[(((long)g * 8 + h) * P + c) * 4 + b] - 128) * x[4 * h + b];
+              isum += (wp[(((long)g * (gs / 4) + h) * P + c) * 4 + b] - 128) * x[4 * h + b];
         const float *dmg = dm + ((long)p * groups + g) * 2 * P;
         const float *ds = dxs + ((long)r * groups + g) * 2;
         float t = dmg[c] * ds[0];
@@ -193,33 +196,34 @@ int sd_int_path(int panel) {
 
 static void linear_int(const signed char *xq, const float *dxs, const int *xsum,
                        const unsigned char *w, const float *dm, const float *bias, float *y,
-                       int M, int K, int N, int ldy, int bits, int panel, int path) {
+                       int M, int K, int N, int ldy, int bits, int gs, int panel, int path) {
   if (panel == 16 && path == 2)
-    linear_int_vnni512(xq, dxs, xsum, w, dm, bias, y, M, K, N, ldy, bits);
+    linear_int_vnni512(xq, dxs, xsum, w, dm, bias, y, M, K, N, ldy, bits, gs);
   else if (panel == 16 && path == 1)
-    linear_int_bw512(xq, dxs, xsum, w, dm, bias, y, M, K, N, ldy, bits);
+    linear_int_bw512(xq, dxs, xsum, w, dm, bias, y, M, K, N, ldy, bits, gs);
   else if (panel == 8 && path == 2)
-    linear_int_vnni256(xq, dxs, xsum, w, dm, bias, y, M, K, N, ldy, bits);
+    linear_int_vnni256(xq, dxs, xsum, w, dm, bias, y, M, K, N, ldy, bits, gs);
   else if (panel == 8 && path == 1)
-    linear_int_avx2(xq, dxs, xsum, w, dm, bias, y, M, K, N, ldy, bits);
+    linear_int_avx2(xq, dxs, xsum, w, dm, bias, y, M, K, N, ldy, bits, gs);
   else
-    linear_int_ref(xq, dxs, w, dm, bias, y, M, K, N, ldy, bits, panel);
+    linear_int_ref(xq, dxs, w, dm, bias, y, M, K, N, ldy, bits, gs, panel);
 }
 
 // x: [M, K], y: [M, N] row-major float32; wq: codes of ``bits`` 4 or 8 packed as above for
-// ``panel`` (16 or 8); dm: the groups' d and m; bias or NULL; K a multiple of 32. With
+// ``panel`` (16 or 8), in groups of ``group`` along k (32; 16 for 8-bit codes from Q6_K); dm:
+// the groups' d and m; bias or NULL; K a multiple of the group. With
 // ``threads`` > 1 (built with OpenMP) the panels are split between the threads in runs of 4,
 // as smallm.c's. Returns 0, or -1 when the quantized rows' memory could not be allocated.
 int sd_linear_int(const float *x, const unsigned char *wq, const float *dm, const float *bias,
-                  float *y, int M, int K, int N, int bits, int panel, int threads) {
-  int groups = K / IGROUP, path = sd_int_path(panel);
+                  float *y, int M, int K, int N, int bits, int group, int panel,
+                  int threads) {
+  int groups = K / group, path = sd_int_path(panel);
   char *scratch = malloc((size_t)M * K + sizeof(float) * 3 * M * groups + 64);
   if (!scratch) return -1;
   float *dxs = (float *)(((size_t)scratch + 63) & ~(size_t)63);
   int *xsum = (int *)(dxs + 2 * M * groups);
   signed char *xq = (signed char *)(xsum + M * groups);
-  quantize_rows(x, M, K, xq, dxs, xsum);
-  long panel_bytes = (long)K * panel * bits / 8;
+  quantize_rows(x, M, K, group, xq, dxs, xsum);
 #ifdef _OPENMP
   int panels = (N + panel - 1) / panel;
   if (threads > 1 && panels >= 8 * threads) {
@@ -227,15 +231,15 @@ int sd_linear_int(const float *x, const unsigned char *wq, const float *dm, cons
     {
       int p0, p1;
       sd_panel_share(panels, omp_get_thread_num(), omp_get_num_threads(), &p0, &p1);
-      sd_linear_int_panels(xq, dxs, xsum, wq, dm, bias, y, M, K, N, bits, panel, p0, p1);
+      sd_linear_int_panels(xq, dxs, xsum, wq, dm, bias, y, M, K, N, bits, group, panel, p0,
+                           p1);
     }
     free(scratch);
     return 0;
   }
 #endif
   (void)threads;
-  (void)panel_bytes;
-  linear_int(xq, dxs, xsum, wq, dm, bias, y, M, K, N, N, bits, panel, path);
+  linear_int(xq, dxs, xsum, wq, dm, bias, y, M, K, N, N, bits, group, panel, path);
   free(scratch);
   return 0;
 }
@@ -244,18 +248,20 @@ int sd_linear_int(const float *x, const unsigned char *wq, const float *dm, cons
 // share, the columns they hold into y's.
 void sd_linear_int_panels(const signed char *xq, const float *dxs, const int *xsum,
                           const unsigned char *wq, const float *dm, const float *bias, float *y,
-                          int M, int K, int N, int bits, int panel, int p0, int p1) {
+                          int M, int K, int N, int bits, int group, int panel, int p0,
+                          int p1) {
   if (p0 >= p1) return;
-  int groups = K / IGROUP, c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
+  int groups = K / group, c0 = p0 * panel, c1 = p1 * panel < N ? p1 * panel : N;
   linear_int(xq, dxs, xsum, wq + p0 * ((long)K * panel * bits / 8),
              dm + (long)p0 * groups * 2 * panel, bias ? bias + c0 : 0, y + c0, M, K, c1 - c0, N,
-             bits, panel, sd_int_path(panel));
+             bits, group, panel, sd_int_path(panel));
 }
 
 // The activation quantization alone (tests compare it with their own): xq [M, K], dxs
-// [M, K / 32, 2] (dx, s).
-void sd_quantize_rows(const float *x, int M, int K, signed char *xq, float *dxs, int *xsum) {
-  quantize_rows(x, M, K, xq, dxs, xsum);
+// [M, K / group, 2] (dx, s), xsum [M, K / group].
+void sd_quantize_rows(const float *x, int M, int K, int group, signed char *xq, float *dxs,
+                      int *xsum) {
+  quantize_rows(x, M, K, group, xq, dxs, xsum);
 }
 
 #else  // the body, once per ISA (SFX, P_WIDTH, ROWS and the dot products defined above)
@@ -297,9 +303,10 @@ void sd_quantize_rows(const float *x, int M, int K, signed char *xq, float *dxs,
 // accumulators in ``out`` (one load and store per block, beside 8 or 16 integer steps).
 __attribute__((always_inline)) static inline void SFX(block)(
     const signed char *xq, const float *dxs, const int *xsum, const unsigned char *w0,
-    const float *dm0, float *out, int K, const int MB, const int J, const int bits) {
+    const float *dm0, float *out, int K, const int MB, const int J, const int bits,
+    const int gs) {
   const int P = P_WIDTH;
-  const long groups = K / IGROUP, panel_bytes = (long)K * P * bits / 8;
+  const long groups = K / gs, panel_bytes = (long)K * P * bits / 8;
   for (int a = 0; a < MB; a++)
     for (int j = 0; j < J; j++) STOREF(out + (a * 8 + j) * P, SET1F(0.0f));
   for (long g = 0; g < groups; g++) {
@@ -323,15 +330,15 @@ __attribute__((always_inline)) static inline void SFX(block)(
         }
       }
     } else {
-      for (int h = 0; h < 8; h++) {
+      for (int h = 0; h < gs / 4; h++) {
         IVEC wv[8];
         for (int j = 0; j < J; j++) {
-          const unsigned char *w = w0 + j * panel_bytes + (g * 8 + h) * P * 4;
+          const unsigned char *w = w0 + j * panel_bytes + (g * (gs / 4) + h) * P * 4;
           wv[j] = PREP8(LOADW(w));
           _mm_prefetch((const char *)w + IPREFETCH, _MM_HINT_T0);
         }
         for (int a = 0; a < MB; a++) {
-          IVEC x = BCAST4(xq + (long)a * K + g * IGROUP + 4 * h);
+          IVEC x = BCAST4(xq + (long)a * K + g * gs + 4 * h);
           for (int j = 0; j < J; j++) isum[a][j] = DOT8(isum[a][j], wv[j], x);
         }
       }
@@ -353,8 +360,9 @@ __attribute__((always_inline)) static inline void SFX(block)(
 
 #define ICASE(MB, J)                                                                       \
   case MB * 16 + J:                                                                        \
-    if (bits == 4) SFX(block)(xb, db, sb, w0, d0, out, K, MB, J, 4);                       \
-    else SFX(block)(xb, db, sb, w0, d0, out, K, MB, J, 8);                                 \
+    if (bits == 4) SFX(block)(xb, db, sb, w0, d0, out, K, MB, J, 4, IGROUP);               \
+    else if (gs == 16) SFX(block)(xb, db, sb, w0, d0, out, K, MB, J, 8, 16);               \
+    else SFX(block)(xb, db, sb, w0, d0, out, K, MB, J, 8, IGROUP);                         \
     break;
 
 // Panels J at a time (4 for one or two rows, 2 for three or four, else 1: the integer sums of
@@ -363,9 +371,9 @@ __attribute__((always_inline)) static inline void SFX(block)(
 // ISA, and the compiler's time grows with them.)
 static void SFX(linear_int)(const signed char *xq, const float *dxs, const int *xsum,
                             const unsigned char *wp, const float *dm, const float *bias,
-                            float *y, int M, int K, int N, int ldy, int bits) {
+                            float *y, int M, int K, int N, int ldy, int bits, int gs) {
   const int P = P_WIDTH;
-  int panels = (N + P - 1) / P, groups = K / IGROUP;
+  int panels = (N + P - 1) / P, groups = K / gs;
   long panel_bytes = (long)K * P * bits / 8;
   float out[MAXROWS * 8 * P_WIDTH];
   for (int m0 = 0; m0 < M; m0 += ROWS) {

@@ -93,7 +93,7 @@ void sd_linear_g(const float *x, const signed char *wq, const float *dm, const f
 void sd_linear_g4(const float *x, const unsigned char *wq, const float *dm, const float *bias,
                   float *y, int M, int K, int N, int panel, int threads);
 int sd_linear_int(const float *x, const unsigned char *wq, const float *dm, const float *bias,
-                  float *y, int M, int K, int N, int bits, int panel, int threads);
+                  float *y, int M, int K, int N, int bits, int group, int panel, int threads);
 // their pieces, for a team of threads already running (team_layers below)
 void sd_panel_share(int panels, int t, int n, int *p0, int *p1);
 void sd_linear_panels(const float *x, const void *wp, int bits, int group, const float *dm,
@@ -101,10 +101,11 @@ void sd_linear_panels(const float *x, const void *wp, int bits, int group, const
                       int panel, int p0, int p1);
 void sd_linear_g16(const float *x, const signed char *wq, const float *dm, const float *bias,
                    float *y, int M, int K, int N, int panel, int threads);
-void sd_quantize_rows(const float *x, int M, int K, signed char *xq, float *dxs, int *xsum);
+void sd_quantize_rows(const float *x, int M, int K, int group, signed char *xq, float *dxs,
+                      int *xsum);
 void sd_linear_int_panels(const signed char *xq, const float *dxs, const int *xsum,
                           const unsigned char *wq, const float *dm, const float *bias, float *y,
-                          int M, int K, int N, int bits, int panel, int p0, int p1);
+                          int M, int K, int N, int bits, int group, int panel, int p0, int p1);
 
 // One linear layer on smallm, its weight format's one descriptor (kernels.py's LinDesc builds
 // it once per layer, for Linear's calls and for sd_layers alike): its packed panels, column
@@ -133,7 +134,7 @@ typedef struct {
 int sd_lin_run(const sd_lin *l, const float *x, float *y, int n, int panel, int threads) {
   if (l->integer)
     return sd_linear_int(x, l->w, l->dm, l->bias, y, n, (int)l->k, (int)l->n, (int)l->bits,
-                         panel, threads);
+                         (int)l->group, panel, threads);
   if (l->dm && l->bits == 4)
     sd_linear_g4(x, l->w, l->dm, l->bias, y, n, (int)l->k, (int)l->n, panel, threads);
   else if (l->dm && l->group == 16)
@@ -165,9 +166,9 @@ static void team_lin(const sd_lin *l, const float *x, float *y, int n, int panel
   if (t < share) sd_panel_share(panels, t, share, &p0, &p1);
   if (l->integer) {
 #pragma omp single
-    sd_quantize_rows(x, n, (int)l->k, q->xq, q->dxs, q->xsum);
+    sd_quantize_rows(x, n, (int)l->k, (int)l->group, q->xq, q->dxs, q->xsum);
     sd_linear_int_panels(q->xq, q->dxs, q->xsum, l->w, l->dm, l->bias, y, n, (int)l->k,
-                         (int)l->n, (int)l->bits, panel, p0, p1);
+                         (int)l->n, (int)l->bits, (int)l->group, panel, p0, p1);
   } else {
     sd_linear_panels(x, l->w, (int)l->bits, (int)l->group, l->dm, l->scale, l->bias, y, n,
                      (int)l->k, (int)l->n, panel, p0, p1);
@@ -188,14 +189,15 @@ static int team_layers(float *x, int n, int hidden, const sd_layer *layers, int 
   long kmax = hidden > inter ? hidden : inter;
   kmax = kmax > (long)hq * d ? kmax : (long)hq * d;
   float *h = malloc(sizeof(float) * n * (2 * hidden + ld + (long)hq * d + 3 * inter));
-  char *qmem = malloc((size_t)n * kmax + (sizeof(float) * 2 + sizeof(int)) * n * (kmax / 32));
+  long qblocks = kmax / 16;  // activation blocks a row, at most (blocks of 16 for Q6_K codes)
+  char *qmem = malloc((size_t)n * kmax + (sizeof(float) * 2 + sizeof(int)) * n * qblocks);
   if (!h || !qmem) {
     free(h);
     free(qmem);
     return -1;
   }
-  qrows q = {(signed char *)qmem + (sizeof(float) * 2 + sizeof(int)) * n * (kmax / 32),
-             (float *)qmem, (int *)(qmem + sizeof(float) * 2 * n * (kmax / 32))};
+  qrows q = {(signed char *)qmem + (sizeof(float) * 2 + sizeof(int)) * n * qblocks,
+             (float *)qmem, (int *)(qmem + sizeof(float) * 2 * n * qblocks)};
   float *delta = h + (long)n * hidden, *qkv = delta + (long)n * hidden, *attn = qkv + n * ld;
   float *gate_up = attn + (long)n * hq * d, *act = gate_up + 2 * n * inter;
   int items = sessions * hq;  // (session, query head) pairs, split between the threads
