@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from specdec.config import SamplingParams
-from specdec.serving.acceptance import verify_greedy, verify_rejection
+from specdec.serving.acceptance import verify_rejection, verify_walk
 from specdec.serving.sampling import position_generator
+from specdec.serving.target import emitted_logprobs, greedy_rows
 
 BIG = 50.0
 
@@ -16,6 +17,11 @@ def onehot_logits(tokens, vocab=8):
     for i, t in enumerate(tokens):
         logits[i, t] = BIG
     return logits
+
+
+def verify_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
+    """The target service's greedy verdict: the walk along its rows' argmax."""
+    return verify_walk(drafts.tolist(), greedy_rows(logits, logits, None)[0])
 
 
 def gens(n, seed=0):
@@ -42,6 +48,44 @@ def test_greedy_miss_in_the_middle():
 def test_greedy_empty_block_is_a_plain_step():
     n, nxt = verify_greedy(torch.tensor([], dtype=torch.long), onehot_logits([6]))
     assert (n, nxt) == (0, 6)
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that read a tensor's values into Python (device-to-host copies)."""
+
+    READS = {"tolist", "item", "__int__", "__float__", "numpy", "cpu", "__bool__"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.READS:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("top", [None, 0, 3])
+def test_a_greedy_verdicts_tokens_and_logprobs_come_in_one_read(top):
+    """The rows' argmax of the processed logits, and the model's own logprobs of them with
+    their top alternatives, exactly as ``emitted_logprobs`` gives them, in one host read
+    (mutant: the verdict then ``emitted_logprobs`` reads 2-3 times)."""
+    gen = torch.Generator().manual_seed(0)
+    raw = torch.randn(5, 300, generator=gen) * 4
+    processed = raw.clone()
+    processed[2, 7] += 100.0  # a bias moves row 2's choice away from the model's argmax
+    with HostReads() as reads:
+        tokens, rows = greedy_rows(processed, raw, top)
+    assert len(reads.reads) == 1, reads.reads
+    assert tokens == processed.argmax(-1).tolist() and tokens[2] == 7
+    if top is None:
+        assert rows is None
+    else:
+        assert rows == emitted_logprobs(raw, tokens, top)
+        with HostReads() as reads:  # the verdict's read, then the logprobs' own
+            emitted_logprobs(raw, processed.argmax(-1).tolist(), top)
+        assert len(reads.reads) >= 2
 
 
 # -- sampling, certain decisions ------------------------------------------------------------

@@ -44,14 +44,6 @@ def verify_walk(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> tu
     return num_accepted, int(target_tokens[num_accepted])
 
 
-def verify_greedy(
-    draft_tokens: torch.Tensor,  # [k] int
-    target_logits: torch.Tensor,  # [k + 1, vocab]
-) -> tuple[int, int]:
-    """The walk along the target's argmax tokens. Returns (num_accepted, next_token)."""
-    return verify_walk(draft_tokens.tolist(), target_logits.argmax(-1).tolist())
-
-
 def verify_coupled(
     draft_tokens: torch.Tensor,  # [k] int
     target_probs: torch.Tensor,  # [k + 1, vocab], after the request's logits processing

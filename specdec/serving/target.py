@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from specdec.config import MAX_DECODE_ON, MAX_K, MAX_TOP_LOGPROBS, SamplingParams
-from specdec.serving.acceptance import verify_coupled, verify_greedy, verify_rejection
+from specdec.serving.acceptance import verify_coupled, verify_rejection, verify_walk
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.grammar import Grammars, block_masks, mask_logits
 from specdec.serving.sampling import (
@@ -107,6 +107,25 @@ class VerifyResult:
         default_factory=list)  # of tokens[1:], when asked for
     decoded: list[int] = dataclasses.field(default_factory=list)  # decoded on after next_token
     passes: int = 1  # forward passes of the block and of each decoded token
+
+
+def greedy_rows(logits: torch.Tensor, raw: torch.Tensor, top: int | None):
+    """Everything a greedy verdict emits, fetched from the device in one copy: each row's
+    token (the argmax of ``logits`` [k + 1, vocab], after penalties, biases and grammar) and,
+    where ``top`` is not None, the token's log-probability under ``raw`` (the model's own
+    log-softmax) with ``raw``'s ``top`` alternatives, as ``emitted_logprobs`` gives them.
+    Returns (tokens, per-row logprobs or None). Ids travel as float64, exact below 2^53."""
+    choice = logits.argmax(-1)
+    if top is None:
+        return choice.tolist(), None
+    logp = torch.log_softmax(raw.float(), dim=-1)
+    parts = [choice[:, None].double(), logp.gather(1, choice[:, None]).double()]
+    if top:
+        values, ids = torch.topk(logp, top, dim=-1)
+        parts += [ids.double(), values.double()]
+    rows = torch.cat(parts, 1).tolist()
+    return [int(r[0]) for r in rows], [(r[1], [int(i) for i in r[2:2 + top]], r[2 + top:])
+                                       for r in rows]
 
 
 def emitted_logprobs(logits: torch.Tensor, tokens: list[int], top: int):
@@ -215,8 +234,10 @@ class VerifyWork(Work):
         grammar = self.grammar
         if grammar is not None:  # row j: the grammar after the committed tokens and d_1..d_j
             logits = mask_logits(logits, block_masks(grammar, committed, c.draft_tokens))
+        rows = None  # a greedy verdict's logprobs, fetched with its tokens
         if c.sampling.greedy:
-            num_accepted, next_token = verify_greedy(drafts, logits)
+            targets, rows = greedy_rows(logits, raw, c.logprobs)
+            num_accepted, next_token = verify_walk(c.draft_tokens, targets)
         elif c.sampling.rule == "coupled":
             target_probs = process_logits(logits, c.sampling)  # [k + 1, vocab]
             num_accepted, next_token = verify_coupled(drafts, target_probs, c.sampling.seed, first)
@@ -239,8 +260,11 @@ class VerifyWork(Work):
         self.session.accepted += num_accepted
         self.session.cache.truncate(c.prefix_len + len(kept))
         emitted = c.draft_tokens[:num_accepted] + [next_token]
-        logprobs = ([] if c.logprobs is None else
-                    emitted_logprobs(raw[: num_accepted + 1], emitted, c.logprobs))
+        if rows is not None:  # (greedy: the emitted tokens are the rows' own)
+            logprobs = rows[: num_accepted + 1]
+        else:  # (sampled: the tokens are known after the verdict's copy, so a second one)
+            logprobs = ([] if c.logprobs is None else
+                        emitted_logprobs(raw[: num_accepted + 1], emitted, c.logprobs))
         return num_accepted, next_token, logprobs
 
     def result(self) -> VerifyResult:
