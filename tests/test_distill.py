@@ -278,3 +278,67 @@ def test_unscored_answers_train_with_their_own_tokens_as_labels(tmp_path):
     n_lab = sum(len(r["answer"]) for r in labelled)
     n_sc = sum(len(r["answer"]) for r in scored)
     assert torch.allclose(mixed, (alone[0] * n_lab + alone[1] * n_sc) / (n_lab + n_sc), atol=1e-5)
+
+
+def test_the_user_turn_prefix_is_the_template_up_to_a_users_message():
+    """What the target continues to write a prompt is the chat template cut where a user
+    message starts: a real message's template ids begin with it and go on with the message
+    (with the template's default system message, and with one given)."""
+    from specdec.distill.selfprompts import user_turn_prefix
+    from specdec.models.hub import load_tokenizer
+    from specdec.models.tokenizer import chat_prompt_ids
+
+    tok = load_tokenizer("default")
+    for system in (None, "You are terse."):
+        prefix = user_turn_prefix(tok, system)
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": "Where is Lyon?"}]
+        ids = chat_prompt_ids(tok, messages)
+        assert ids[:len(prefix)] == prefix
+        assert tok.decode(ids[len(prefix):]).startswith("Where is Lyon?")
+        assert tok.decode(prefix).endswith("user\n") and (system or "SmolLM") in tok.decode(prefix)
+
+
+def test_a_written_prompt_is_kept_once_whole_and_never_a_held_out_one():
+    """Only a turn the target ended is a prompt (mutant: keeping turns cut off at the token
+    limit); a repeat (spacing and case aside), a held-out prompt, a too short or too long one
+    is dropped."""
+    from specdec.distill.selfprompts import finished_turn, keep
+    from specdec.models.hub import load_tokenizer
+
+    tok = load_tokenizer("default")
+    ids, end = tok("How do I bake bread?")["input_ids"], tok.convert_tokens_to_ids("<|im_end|>")
+    assert finished_turn(tok, ids + [end], {end}) == "How do I bake bread?"
+    assert finished_turn(tok, ids, {end}) is None and finished_turn(tok, [], {end}) is None
+
+    seen: set[str] = set()
+    held = {"what is the capital of france?"}
+    assert keep("How do I bake bread at home?", seen, held)
+    assert not keep("how do I  bake bread at HOME?", seen, held)  # the same, spaced and cased
+    assert not keep("What is the capital of  France?", seen, held)  # held out
+    assert not keep("Hi there", seen, held)  # too short to be a task
+    assert not keep("x" * 900, seen, held)
+
+
+def test_the_target_writes_its_own_prompts_resumably(tmp_path, monkeypatch):
+    """The real default target writes user turns: each new, none a held-out prompt; a second,
+    larger call keeps the first ones and adds the rest; a target that never ends a turn in
+    time is an error, not an endless loop."""
+    from specdec.distill import selfprompts
+    from specdec.distill.cli import _engine_and_tokenizer, _self_conversations
+    from specdec.distill.prompts import HELD_OUT_SETS, held_out_set
+
+    monkeypatch.setattr(selfprompts, "CHUNK", 8)
+    engine, tok, eos = _engine_and_tokenizer("default")
+    path = tmp_path / "prompts.jsonl"
+    first = _self_conversations(engine, tok, eos, 5, path, seed=0)
+    texts = [c[0]["content"] for c in first]
+    assert len(texts) == 5 == len(set(texts)) == len(path.read_text().splitlines())
+    held = {m["content"] for name in HELD_OUT_SETS for c in held_out_set(name) for m in c}
+    assert all(selfprompts.MIN_CHARS <= len(t) and t not in held for t in texts)
+    more = _self_conversations(engine, tok, eos, 9, path, seed=0)
+    assert [c[0]["content"] for c in more[:5]] == texts and len(more) == 9
+    assert len({c[0]["content"] for c in more}) == 9
+    monkeypatch.setattr(selfprompts, "MAX_PROMPT_TOKENS", 2)
+    with pytest.raises(RuntimeError, match="no usable user turn"):
+        _self_conversations(engine, tok, eos, 12, path, seed=0)

@@ -16,9 +16,11 @@ def register(sub) -> None:
     d.add_argument("--target", default="default")
     d.add_argument("--out", default="runs/distill", help="work directory (resumable)")
     d.add_argument("--prompts", type=int, default=3200, help="training prompts (shipped set)")
-    d.add_argument("--prompt-set", default="base", choices=("base", "wide", "real"),
-                   help="training prompts: the base templates, the wide ones, or half of "
-                        "them made from real text (specdec.distill.prompts.train_conversations)")
+    d.add_argument("--prompt-set", default="base", choices=("base", "wide", "real", "self"),
+                   help="training prompts: the base templates, the wide ones, half of them "
+                        "made from real text (specdec.distill.prompts.train_conversations), or "
+                        "user turns the target writes itself (specdec.distill.selfprompts, "
+                        "kept in the answers directory's prompts.jsonl)")
     d.add_argument("--max-new-tokens", type=int, default=192, help="per target answer")
     d.add_argument("--temperatures", default="0,0.8",
                    help="one answer per prompt at each temperature (0 = greedy)")
@@ -139,15 +141,19 @@ def cmd_distill(args) -> int:
     t0 = time.time()
     engine, tokenizer, eos = _engine_and_tokenizer(args.target)
     temps = tuple(float(t) for t in args.temperatures.split(","))
+    answers_dir = pathlib.Path(args.answers or work / "answers")
     if args.skip_data:
         shards = sorted((work / "data").glob("shard-*.pt"))
     else:
-        shards = write_shards(engine, tokenizer,
-                              train_conversations(args.prompts, prompt_set=args.prompt_set),
+        if args.prompt_set == "self":
+            convs = _self_conversations(engine, tokenizer, eos, args.prompts,
+                                        answers_dir / "prompts.jsonl", args.seed)
+        else:
+            convs = train_conversations(args.prompts, prompt_set=args.prompt_set)
+        shards = write_shards(engine, tokenizer, convs,
                               work / "data", eos, max_new_tokens=args.max_new_tokens,
                               batch_size=args.gen_batch, temperatures=temps, seed=args.seed,
-                              features=args.features,
-                              answers_dir=pathlib.Path(args.answers or work / "answers"),
+                              features=args.features, answers_dir=answers_dir,
                               identity=dict(target=args.target, prompt_set=args.prompt_set,
                                             prompts=args.prompts, temperatures=list(temps),
                                             seed=args.seed,
@@ -200,6 +206,18 @@ def cmd_distill(args) -> int:
     print(json.dumps(card["held_out"], indent=2))
     print(f"draft written to {out_dir}")
     return 0
+
+
+def _self_conversations(engine, tokenizer, eos, n: int, path: pathlib.Path,
+                        seed: int) -> list[list[dict]]:
+    """n user turns the target writes itself (kept in ``path``), none a held-out prompt."""
+    from specdec.distill.prompts import HELD_OUT_SETS, held_out_set
+    from specdec.distill.selfprompts import self_written_prompts
+
+    held = [m["content"] for name in HELD_OUT_SETS for conv in held_out_set(name)
+            for m in conv if m["role"] == "user"]
+    prompts = self_written_prompts(engine, tokenizer, eos, n, path, seed, excluded=held)
+    return [[{"role": "user", "content": p}] for p in prompts]
 
 
 def _training_records(args, work: pathlib.Path, shards) -> list[dict]:
