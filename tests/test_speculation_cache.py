@@ -209,3 +209,57 @@ def test_a_greedy_draft_keeps_its_tokens_where_its_logits_are_between_steps(tiny
         nxt = engine.forward([cache], [torch.tensor(want[-1:])], [1])[0]
     assert proposal.tokens == want
     assert work.session.tokens == history + want[:-1] and proposal.cache_len == len(history) + k - 1
+
+
+def drafted_block(engine, history, k, sampling, device_race: bool, monkeypatch):
+    """A DraftWork's block run to the end by hand, with the coupled race on the device
+    (``DEVICE_RACE_ON_CPU``) or on the host; and the step tokens it fed, when on the device."""
+    from specdec.serving import drafting
+    from specdec.serving.session import SessionStore
+
+    monkeypatch.setattr(drafting, "DEVICE_RACE_ON_CPU", device_race)
+    work = drafting.DraftWork(ProposeCall(f"race-{device_race}", 0, 0, history, k, sampling),
+                              engine, SessionStore(1 << 30, 8, 60.0))
+    work.start()
+    done, fed_on_device = False, 0
+    while not done:
+        piece = work.next_piece(1 << 20)
+        if work._on_device:
+            assert piece.tokens is work._on_device[-1]  # the race's tensor, not a copy
+            fed_on_device += 1
+        logits = engine.forward([piece.cache], [piece.tokens], [piece.num_logits])[0]
+        done = work.consume(logits)
+    return work.result().tokens, fed_on_device
+
+
+@pytest.mark.parametrize("seed", [1, 7, 2024])
+def test_a_coupled_drafts_race_on_the_device_proposes_the_hosts_tokens(tiny_services, seed,
+                                                                       monkeypatch):
+    """Under the coupled rule a draft's race can run where its logits are (``coupled_race``:
+    the device noise, no host read between steps): it proposes exactly the tokens numpy's
+    race does, step after step, at temperature 1 and with top-k / top-p (mutant: racing at
+    the block's first position every step fails)."""
+    engine, history, k = tiny_services["near_draft"].runtime.engine, TOKEN_PROMPTS[1], 6
+    for sampling in (SamplingParams(temperature=1.0, seed=seed),
+                     SamplingParams(temperature=0.7, top_k=20, top_p=0.9, seed=seed)):
+        host, _ = drafted_block(engine, history, k, sampling, False, monkeypatch)
+        device, fed = drafted_block(engine, history, k, sampling, True, monkeypatch)
+        assert device == host and fed == k - 1, (sampling, host, device)
+
+
+@pytest.mark.real
+def test_the_shipped_drafts_coupled_race_on_the_device_is_the_hosts(monkeypatch):
+    """The same on the real default draft, whose head covers 8,192 of the target's ids: the
+    race keys its noise by target id on the device as on the host."""
+    import torch
+
+    from specdec.models.loading import load_engine, resolve_draft_spec
+
+    engine = load_engine(resolve_draft_spec("default-draft", "default"), torch.device("cpu"))[0]
+    assert engine.vocab_map is not None
+    history = list(range(1000, 1040))
+    for seed in (3, 11):
+        sampling = SamplingParams(temperature=0.9, seed=seed)
+        host, _ = drafted_block(engine, history, 5, sampling, False, monkeypatch)
+        device, fed = drafted_block(engine, history, 5, sampling, True, monkeypatch)
+        assert device == host and fed == 4

@@ -17,6 +17,7 @@ from specdec.serving.grammar import Grammars, mask_logits, session_grammar
 from specdec.serving.sampling import (
     bias_logits,
     coupled_choice,
+    coupled_race,
     penalize,
     position_generator,
     process_logits,
@@ -24,6 +25,10 @@ from specdec.serving.sampling import (
 )
 from specdec.serving.scheduler import Piece, Work
 from specdec.serving.session import SessionStore, resolve
+
+# A coupled draft races on the device off the CPU only; tests set this to run that path on
+# the CPU, where it must give numpy's tokens.
+DEVICE_RACE_ON_CPU = False
 
 
 @dataclasses.dataclass
@@ -102,12 +107,16 @@ class DraftWork(Work):
         self.drafted: list[int] = []
         self.dists: list[tuple[list[int], list[float]]] = []
         self._q_params = draft_sampling(call.sampling, q_top_k)
-        # Greedy, with no penalty or grammar to read the host, a drafted token stays where
-        # the logits are, as the next step's input ([1] each), and the call fetches them once
-        # at its end: no device-to-host copy between a GPU draft's steps.
+        # Greedy, or coupled off the CPU, with no penalty or grammar to read the host, a
+        # drafted token stays where the logits are, as the next step's input ([1] each), and
+        # the call fetches them once at its end: no device-to-host copy between a GPU draft's
+        # steps. (A coupled race on the CPU stays numpy's: torch's int64 hash costs 3x there.)
         s = call.sampling
+        on_device = s.greedy or (s.rule == "coupled" and (
+            engine.device.type != "cpu" or DEVICE_RACE_ON_CPU))
         self._on_device: list[torch.Tensor] | None = \
-            [] if s.greedy and not s.penalized and not s.grammar else None
+            [] if on_device and not s.penalized and not s.grammar else None
+        self._race_ids = None  # the coupled race's token ids, on the device (reduced head)
 
     def start(self) -> None:
         super().start()
@@ -146,7 +155,7 @@ class DraftWork(Work):
         if self._on_device is not None:
             logits = bias_logits(logits[-1:], self.call.sampling, self.engine.vocab_in,
                                  self.engine.vocab_map)
-            self._on_device.append(self.engine.token_ids(logits.argmax(-1)))  # [1]
+            self._on_device.append(self.engine.token_ids(self._device_choice(logits)))  # [1]
             if len(self._on_device) == 1:
                 self.session.append(self.call.tokens)
             return len(self._on_device) >= self.k
@@ -193,6 +202,19 @@ class DraftWork(Work):
         if len(self.drafted) == 1:
             self.session.append(self.call.tokens)
         return len(self.drafted) >= self.k
+
+    def _device_choice(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafted output index [1] of the last row of ``logits``, on their device: the
+        argmax (greedy) or the coupled race over the processed distribution, as
+        ``coupled_choice`` runs it on the host."""
+        s = self.call.sampling
+        if s.greedy:
+            return logits.argmax(-1)
+        if self._race_ids is None and self._target_ids is not None:
+            self._race_ids = torch.as_tensor(self._target_ids).to(logits.device)
+        position = self.call.prefix_len + len(self.call.tokens) + len(self._on_device)
+        probs = process_logits(logits[-1], self._q_params)[None]  # [1, vocab_out]
+        return coupled_race(probs, s.seed, position, self._race_ids)[0]
 
     def result(self) -> Proposal:
         if self._on_device:  # one copy for the whole block; the session holds all it fed

@@ -180,18 +180,27 @@ def device_noise(seed: int, positions: range, token_ids: torch.Tensor) -> torch.
     return -torch.log((h.double() + 0.5) * (1.0 / 2**32))
 
 
-def coupled_choices(probs: torch.Tensor, seed: int, first_position: int,
-                    token_ids: np.ndarray | torch.Tensor | None = None) -> list[int]:
-    """``coupled_choice`` at each row of probs [n, vocab], row i at position
-    first_position + i, computed on probs' device (``device_noise``) and fetched in one copy:
-    a verify block's k + 1 positions on a GPU."""
+def coupled_race(probs: torch.Tensor, seed: int, first_position: int,
+                 token_ids: np.ndarray | torch.Tensor | None = None):
+    """The exponential race of each row of probs [n, vocab], row i at position
+    first_position + i, on probs' device (``device_noise``), nothing read to the host:
+    (winning index per row, its race value: > 0 unless the row is all zero)."""
     n, vocab = probs.shape
     ids = torch.arange(vocab, device=probs.device) if token_ids is None else \
         torch.as_tensor(token_ids).to(probs.device)
     p = probs.detach().double()
     noise = device_noise(seed, range(first_position, first_position + n), ids)
     best = torch.where(p > 0, p / noise, -1.0).max(-1)  # (the first of equal races, as numpy)
-    choices, found = torch.stack([best.indices, (best.values > 0).long()]).tolist()
+    return best.indices, best.values
+
+
+def coupled_choices(probs: torch.Tensor, seed: int, first_position: int,
+                    token_ids: np.ndarray | torch.Tensor | None = None) -> list[int]:
+    """``coupled_choice`` at each row of probs [n, vocab], row i at position
+    first_position + i, raced on probs' device (``coupled_race``) and fetched in one copy:
+    a verify block's k + 1 positions on a GPU."""
+    indices, values = coupled_race(probs, seed, first_position, token_ids)
+    choices, found = torch.stack([indices, (values > 0).long()]).tolist()
     assert all(found), "cannot sample from an all-zero distribution"
     return choices
 
