@@ -300,15 +300,17 @@ void sd_quantize_rows(const float *x, int M, int K, int group, signed char *xq, 
 #endif
 
 // MB rows against J panels: the integer sums of a block in MB * J registers, the float
-// accumulators in ``out`` (one load and store per block, beside 8 or 16 integer steps).
+// accumulators in MB * J more (the compiler keeps what fits in registers: up to 8 of each on
+// AVX-512), the groups' d and m loaded once a block for every row; ``out`` written at the end.
 __attribute__((always_inline)) static inline void SFX(block)(
     const signed char *xq, const float *dxs, const int *xsum, const unsigned char *w0,
     const float *dm0, float *out, int K, const int MB, const int J, const int bits,
     const int gs) {
   const int P = P_WIDTH;
   const long groups = K / gs, panel_bytes = (long)K * P * bits / 8;
+  FVEC acc[MAXROWS][8];
   for (int a = 0; a < MB; a++)
-    for (int j = 0; j < J; j++) STOREF(out + (a * 8 + j) * P, SET1F(0.0f));
+    for (int j = 0; j < J; j++) acc[a][j] = SET1F(0.0f);
   for (long g = 0; g < groups; g++) {
     IVEC isum[MAXROWS][8];
     for (int a = 0; a < MB; a++)
@@ -343,19 +345,24 @@ __attribute__((always_inline)) static inline void SFX(block)(
         }
       }
     }
+    FVEC dv[8], mv[8];
+    for (int j = 0; j < J; j++) {
+      const float *dm = dm0 + ((long)j * groups + g) * 2 * P;
+      dv[j] = LOADF(dm);
+      mv[j] = LOADF(dm + P);
+    }
     for (int a = 0; a < MB; a++) {
       const float *ds = dxs + ((long)a * groups + g) * 2;
       FVEC dxv = SET1F(ds[0]), sv = SET1F(ds[1]);
       IVEC off = SET1I(OFFSET8 * xsum[a * groups + g]);
       for (int j = 0; j < J; j++) {
-        const float *dm = dm0 + ((long)j * groups + g) * 2 * P;
         IVEC s = bits == 8 && OFFSET8 ? SUBI(isum[a][j], off) : isum[a][j];
-        float *o = out + (a * 8 + j) * P;
-        FVEC acc = FMAF(MULF(LOADF(dm), dxv), CVT(s), LOADF(o));
-        STOREF(o, FMAF(LOADF(dm + P), sv, acc));
+        acc[a][j] = FMAF(mv[j], sv, FMAF(MULF(dv[j], dxv), CVT(s), acc[a][j]));
       }
     }
   }
+  for (int a = 0; a < MB; a++)
+    for (int j = 0; j < J; j++) STOREF(out + (a * 8 + j) * P, acc[a][j]);
 }
 
 #define ICASE(MB, J)                                                                       \
