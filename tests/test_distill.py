@@ -64,13 +64,13 @@ def test_distill_end_to_end_makes_a_loadable_exact_draft(tmp_path, tiny_models, 
     # target-layer start a fresh run makes), a few steps move them; its vocabulary stays
     from safetensors.torch import load_file
 
-    def train_on(steps, name):
+    def train_on(steps, name, *more):
         done = subprocess.run(
             [sys.executable, "-m", "orchestrator.cli", "distill", "--target", target,
              "--out", str(tmp_path / "work"), "--skip-data", "--heldout-prompts", "2",
              "--max-new-tokens", "16", "--init-draft", str(draft_dir), "--steps", str(steps),
              "--batch", "4", "--lr", "1e-2", "--threads", "1",
-             "--draft-out", str(tmp_path / name)],
+             "--draft-out", str(tmp_path / name), *more],
             capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         return load_file(str(tmp_path / name / "weights.safetensors"))
@@ -81,6 +81,19 @@ def test_distill_end_to_end_makes_a_loadable_exact_draft(tmp_path, tiny_models, 
     assert all(torch.equal(same[k], start[k]) for k in start)
     assert torch.equal(moved["vocab_map"], start["vocab_map"])
     assert not torch.equal(moved["layers.0.wqkv.int8"], start["layers.0.wqkv.int8"])
+
+    # --grow: a layer from target layer 1 goes before the draft's last, its output projections
+    # zero, the draft's own layers kept; --more-answers adds another answers directory's
+    # answers (here the run's own again: 12 scored + 12 labelled by their tokens)
+    grown = train_on(0, "grown", "--grow", "1", "--answers-as-labels",
+                     "--more-answers", str(tmp_path / "work" / "answers"))
+    card = json.loads((tmp_path / "grown" / "draft.json").read_text())["card"]
+    assert card["data"]["answers"] == 24
+    assert all(torch.equal(grown[k], start[k]) for k in start if k.startswith("layers.0."))
+    assert all(torch.equal(grown[k.replace("layers.1.", "layers.2.")], start[k])
+               for k in start if k.startswith("layers.1."))
+    assert not grown["layers.1.wo.int8"].any() and not grown["layers.1.w_down.int8"].any()
+    assert grown["layers.1.wqkv.int8"].any()
 
     # the distilled draft serves, and speculative greedy output stays the target's
 
@@ -227,6 +240,31 @@ def test_kept_answers_rebuild_every_shard_by_scoring_with_the_same_scores(tmp_pa
     identity["prompts"] = 6
     with pytest.raises(ValueError, match="answers made with"):
         build(tmp_path / "c")
+
+
+def test_a_grown_draft_starts_as_the_draft_it_grew_from(tiny_models):
+    """grow_draft inserts target layers whose output projections are zero: the deeper draft's
+    logits are the draft's exactly (mutant: the new layer's wo kept from the target), the new
+    layer is the target's where it is not zero, and training moves it."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.distill import train as distill
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["target"])
+    recipe = distill.Recipe(target=tiny_models["target"], layers=(0,))
+    vocab_map = torch.arange(600)
+    draft, arch = distill.init_from_target(recipe, vocab_map, model=model)
+    grown, grown_arch = distill.grow_draft(draft, (1,), model=model)
+    assert (arch.num_layers, grown_arch.num_layers) == (1, 2)
+    tokens = torch.randint(0, 600, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(grown(tokens), draft(tokens))
+    new, old = grown.canonical(), draft.canonical()
+    assert torch.equal(new["layers.1.w_down"], old["layers.0.w_down"])  # the draft's, last
+    assert not new["layers.0.wo"].any() and new["layers.0.wqkv"].any()
+    grown.train()
+    grown(tokens).logsumexp(-1).mean().backward()
+    assert grown.params["layers_0_wo"].grad.abs().sum() > 0
 
 
 def test_unscored_answers_train_with_their_own_tokens_as_labels(tmp_path):

@@ -39,6 +39,9 @@ def register(sub) -> None:
     d.add_argument("--answers-as-labels", action="store_true",
                    help="with --skip-data: also train on the kept answers whose shards are not "
                         "built, each answer token its own label (no scoring pass)")
+    d.add_argument("--more-answers", nargs="+", default=[], metavar="DIR",
+                   help="with --answers-as-labels: more answers directories (another prompt "
+                        "set's) to train on, every answer labelled by its own tokens")
     d.add_argument("--data-only", action="store_true",
                    help="generate (or finish generating) the shards, then stop")
     d.add_argument("--vocab", type=int, default=8192, help="draft head vocabulary size")
@@ -46,6 +49,10 @@ def register(sub) -> None:
     d.add_argument("--init-draft", metavar="DRAFT",
                    help="train on from this specdec draft (e.g. default-draft) instead of "
                         "from target layers: its weights, layers and head vocabulary")
+    d.add_argument("--grow", metavar="LAYERS",
+                   help="with --init-draft: insert new layers, started from these target layers "
+                        "(e.g. 15), before the draft's last one, their output projections zero, "
+                        "so the deeper draft starts computing exactly what the draft did")
     d.add_argument("--steps", type=int, default=600)
     d.add_argument("--batch", type=int, default=16)
     d.add_argument("--lr", type=float, default=1e-3)
@@ -230,8 +237,11 @@ def _training_records(args, work: pathlib.Path, shards) -> list[dict]:
         if not args.skip_data:
             raise SystemExit("error: --answers-as-labels goes with --skip-data")
         kept = unscored_answers(pathlib.Path(args.answers or work / "answers"), work / "data")
+        kept += [p for d in args.more_answers for p in sorted(pathlib.Path(d).glob("answers-*.npz"))]
         records += answers_as_labels([r for p in kept for r in load_answers(p)])
         print(f"{len(kept)} answer files without scores: their tokens are their labels")
+    elif args.more_answers:
+        raise SystemExit("error: --more-answers goes with --answers-as-labels")
     return records
 
 
@@ -245,6 +255,8 @@ def _start(args, recipe, records: list[dict], eos):
     if not args.init_draft:
         vocab_map = distill.build_vocab(records, recipe.vocab, sorted(eos))
         module, arch = distill.init_from_target(recipe, vocab_map)
+        if args.grow:
+            raise SystemExit("error: --grow goes with --init-draft")
         return module, arch, vocab_map, recipe, None
     path = resolve_draft_spec(args.init_draft, args.target)
     if not draft_model.is_draft_dir(path):
@@ -255,7 +267,10 @@ def _start(args, recipe, records: list[dict], eos):
         raise SystemExit(f"error: --init-draft {args.init_draft!r} drafts for "
                          f"{meta['target']!r}, not {args.target!r}")
     module, arch, vocab_map = distill.init_from_draft(path)
-    recipe = dataclasses.replace(recipe, vocab=len(vocab_map), layers=(),
+    grow = tuple(int(x) for x in args.grow.split(",")) if args.grow else ()
+    if grow:
+        module, arch = distill.grow_draft(module, grow, recipe.target)
+    recipe = dataclasses.replace(recipe, vocab=len(vocab_map), layers=grow,
                                  warmup=min(recipe.warmup, recipe.steps))
     return module, arch, vocab_map, recipe, meta
 
@@ -263,7 +278,7 @@ def _start(args, recipe, records: list[dict], eos):
 def _command(args) -> str:
     """The training command, as far as its arguments decide the draft."""
     values = ("prompts", "prompt_set", "vocab", "layers", "steps", "batch", "lr", "seed",
-              "max_new_tokens", "temperatures", "init_draft", "answers")
+              "max_new_tokens", "temperatures", "init_draft", "grow", "answers", "more_answers")
     flags = ("skip_data", "answers_as_labels")
     words = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
              if k in values and v is not None]

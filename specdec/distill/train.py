@@ -171,6 +171,37 @@ def init_from_draft(path) -> tuple[DraftModule, ArchConfig, torch.Tensor]:
     return module, arch, vocab_map
 
 
+def grow_draft(module: DraftModule, sources: tuple[int, ...], target: str = "default",
+               model=None) -> tuple[DraftModule, ArchConfig]:
+    """A deeper draft computing exactly what ``module`` computes: new layers, started from the
+    target's layers ``sources``, go before its last layer with their output projections (wo,
+    w_down) zero, so each adds nothing to the residual stream until training moves them."""
+    from specdec.models.hub import load_hf_model
+    from specdec.serving.arch import canonical_weights
+
+    if model is None:
+        model, _ = load_hf_model(target)
+    arch_t = ArchConfig.from_hf(model.config)
+    weights = canonical_weights(model.state_dict(), arch_t)
+    old = module.canonical()
+    n = module.arch.num_layers
+    arch = dataclasses.replace(module.arch, num_layers=n + len(sources))
+    order = [("draft", i) for i in range(n - 1)] + [("target", s) for s in sources] \
+        + [("draft", n - 1)]
+    init = {"norm": old["norm"], "head": old["head"]}
+    for i, (kind, src) in enumerate(order):
+        for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+            if kind == "draft":
+                init[f"layers.{i}.{name}"] = old[f"layers.{src}.{name}"]
+            elif name in ("wo", "w_down"):
+                init[f"layers.{i}.{name}"] = torch.zeros_like(weights[f"layers.{src}.{name}"])
+            else:
+                init[f"layers.{i}.{name}"] = weights[f"layers.{src}.{name}"]
+    grown = DraftModule(arch, module.embed, module.vocab_map)
+    grown.load_canonical(init)
+    return grown, arch
+
+
 # -- training ---------------------------------------------------------------------------------
 
 
