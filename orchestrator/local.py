@@ -28,8 +28,11 @@ log = logging.getLogger(__name__)
 # so the service that just answered kept a core busy well into the other's turn: measured on a
 # 2-core CPU, verify passes took ~39 ms instead of ~33 ms in sequential rounds. 100,000 keeps
 # each service's own passes at full speed (its helpers still spin between the ops of a pass;
-# 0 made a target-only step 40 ms) and gave 15-25% more speculative tok/s.
-SHARED_CORES_ENV = {"GOMP_SPINCOUNT": "100000"}
+# 0 made a target-only step 40 ms) and gave 15-25% more speculative tok/s. Since the fused C
+# layer ops, 10,000 does as well for target-only and better for drafted rounds (k = 1 on chat,
+# three alternated pairs: spec 121-127 tok/s against 108-119 at 100,000, target-only 182-189
+# against 181-193; docs/performance.md).
+SHARED_CORES_ENV = {"GOMP_SPINCOUNT": "10000"}
 
 
 def shared_cores_env() -> dict:

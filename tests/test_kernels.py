@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import HAS_SMALLM, needs_smallm
-from orchestrator.local import ServiceProcess, service_args, shared_cores_env
+from orchestrator.local import SHARED_CORES_ENV, ServiceProcess, service_args, shared_cores_env
 from specdec.rpc.host import in_passing_thread
 from specdec.serving.kernels import (
     MKL,
@@ -312,7 +312,7 @@ def test_the_loader_thread_passes_errors_on():
 
 def test_services_sharing_the_cores_spin_less_unless_the_user_says(monkeypatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    assert shared_cores_env() == {"GOMP_SPINCOUNT": "100000"}
+    assert shared_cores_env() == SHARED_CORES_ENV == {"GOMP_SPINCOUNT": "10000"}
     monkeypatch.setenv("GOMP_SPINCOUNT", "5")
     assert shared_cores_env() == {}
 
@@ -325,6 +325,6 @@ def test_local_service_processes_get_that_environment(tiny_models, monkeypatch):
         # pipe (when Popen returns) and the new stack's set-up, /proc/PID/environ is empty.
         service.wait_port(timeout_s=120)
         environ = open(f"/proc/{service.proc.pid}/environ", "rb").read().split(b"\0")
-        assert b"GOMP_SPINCOUNT=100000" in environ
+        assert b"GOMP_SPINCOUNT=10000" in environ
     finally:
         service.stop()
