@@ -74,8 +74,10 @@ def register(sub) -> None:
     v.add_argument("--threads", type=int, default=0, help="torch threads (0 = every core, as "
                    "the services use)")
     v.add_argument("--engines", default="mkl,mkl-t,onednn,auto,integer",
-                   help="engine-alone columns: CPU kernel choices in float numerics, and "
-                        "'integer' (smallm's integer numerics, where the target has codes)")
+                   help="engine-alone columns: CPU kernel choices in float numerics, "
+                        "'integer' (smallm's integer numerics, where the target has codes), "
+                        "and 'llamacpp' (llama.cpp on the same GGUF file and threads, logits "
+                        "of every row; needs llama-cpp-python)")
     v.add_argument("--numerics", choices=NUMERICS, default=DEFAULT_NUMERICS,
                    help="the in-service column's target numerics")
     v.add_argument("--no-service", action="store_true", help="the engines alone")
@@ -331,9 +333,16 @@ def cmd_bench_verify(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engines = {}
+    engines, timers = {}, {}
     for name in args.engines.split(","):
-        if name == "integer":
+        if name == "llamacpp":  # llama.cpp on the same GGUF file and threads
+            from bench.llamacpp import INSTALL, forward_timer
+
+            timer = forward_timer(args.target, args.threads, args.context, args.max_tokens)
+            if timer is None:
+                raise SystemExit(f"error: the llamacpp column needs llama-cpp-python: {INSTALL}")
+            timers[name] = timer
+        elif name == "integer":
             engine, _, _ = load_engine(args.target, torch.device("cpu"), "auto", "integer")
             if engine.numerics != "integer":
                 print(f"(no integer column: {args.target} has no codes for it)")
@@ -343,9 +352,10 @@ def cmd_bench_verify(args) -> int:
             engines[name], _, _ = load_engine(args.target, torch.device("cpu"), name, "float")
     ctx, ms = args.context, range(1, args.max_tokens + 1)
     prompt = torch.arange(ctx) % 1000 + 10
-    timers = {n: e.forward_timer(ctx, args.max_tokens) for n, e in engines.items()}
-    times = {n: {m: [] for m in ms} for n in [*engines] + ([] if args.no_service
-                                                            else ["in-service"])}
+    timers.update({n: e.forward_timer(ctx, args.max_tokens) for n, e in engines.items()})
+    timers = {n: timers[n] for n in args.engines.split(",") if n in timers}  # as given
+    times = {n: {m: [] for m in ms} for n in [*timers] + ([] if args.no_service
+                                                           else ["in-service"])}
     for _ in tqdm(range(args.reps), desc="engine cost", unit="rep"):
         for m in ms:
             for n, timer in timers.items():  # interleaved

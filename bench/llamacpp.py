@@ -5,7 +5,10 @@ Systems ``llamacpp`` (greedy decoding) and ``llamacpp-prompt-lookup`` (llama.cpp
 lookup decoding, 10 tokens a block, as ``hf-prompt-lookup``) run the target's GGUF file through
 the ``llama-cpp-python`` package on the same cores and threads as the HF baselines. They need
 the package (an optional dependency: ``pip install llama-cpp-python==0.3.36`` builds llama.cpp,
-several minutes; ``CMAKE_ARGS=-DGGML_NATIVE=ON`` for this machine's best kernels). llama.cpp
+several minutes; ``CMAKE_ARGS=-DGGML_NATIVE=ON`` for this machine's best kernels, but on a CPU
+with AMX that build of 0.3.36 crashed at its first decode here (a Sapphire Rapids VM): there
+``-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON``, as
+docs/performance.md gives in full). llama.cpp
 multiplies quantized weights with activations quantized to 8 bits, so its greedy text may
 depart from transformers' float32 text after a near tie: ``specdec bench`` reports how many of
 its tokens agree with HF's instead of counting it as a mismatch.
@@ -85,6 +88,37 @@ class LlamaCpp:
             if before is not None:
                 os.sched_setaffinity(0, before)
         return tokens, wall
+
+
+def forward_timer(target: str, threads: int, context: int, max_rows: int):
+    """ms(rows): llama.cpp's forward over ``rows`` new tokens after ``context`` tokens on the
+    target's GGUF file, logits of every new row (a verify's work, as specdec's timer), the
+    cache cut back to the context after each probe: ``specdec bench-verify --engines
+    llamacpp``, the column beside specdec's engines. None where llama-cpp-python is missing."""
+    from specdec.models.hub import gguf_file
+
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    path = gguf_file(target)
+    if path is None:
+        raise SystemExit(f"error: the llamacpp column needs a GGUF target, not {target!r}")
+    threads = threads or os.cpu_count() or 1
+    llm = Llama(model_path=str(path), n_ctx=context + max_rows + 8, n_batch=max(64, max_rows),
+                n_threads=threads, n_threads_batch=threads, logits_all=True, seed=0,
+                verbose=False)
+    tokens = [(i % 1000) + 10 for i in range(context + max_rows)]
+    llm.eval(tokens[:context])
+
+    def timed(rows: int) -> float:
+        llm.n_tokens = context  # (eval first cuts the cache back to n_tokens)
+        start = time.perf_counter()
+        llm.eval(tokens[context:context + rows])
+        return (time.perf_counter() - start) * 1000.0
+
+    timed.model = llm  # (its scores: what the probes computed)
+    return timed
 
 
 def agreement(tokens: list[int], reference: list[int]) -> int:

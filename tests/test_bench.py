@@ -299,6 +299,32 @@ def test_bench_runs_llamacpp_on_the_default_gguf(tmp_path):
         assert row["tokens"] > 0 and row["agreement_with_hf"] >= 0.5, row
 
 
+def test_bench_verify_times_llamacpp_beside_specdec(tmp_path, monkeypatch):
+    """`bench-verify --engines integer,llamacpp`: llama.cpp's forward over m rows on the same
+    file, each probe cut back to the context, so every probe computes the same rows (mutant:
+    without the cut the positions grow past the context within a few reps). Without
+    llama-cpp-python the column is refused with the install line."""
+    from bench import llamacpp
+
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "llama_cpp", None)  # as if not installed
+        assert llamacpp.forward_timer("default", 1, 150, 9) is None
+    pytest.importorskip("llama_cpp")
+    timer = llamacpp.forward_timer("default", 1, 60, 4)
+    assert timer(4) > 0
+    first = [list(row) for row in timer.model.scores[60:64]]
+    for _ in range(12):  # 12 x 4 rows would overflow the 72-position context without the cut
+        assert timer(4) > 0
+    assert [list(row) for row in timer.model.scores[60:64]] == first
+    del timer
+    out = tmp_path / "out"
+    stdout = _cli("bench-verify", "--engines", "integer,llamacpp", "--no-service",
+                  "--max-tokens", "3", "--reps", "2", "--threads", "1", "--out", str(out))
+    assert "| m | integer | llamacpp |" in stdout
+    med = json.loads((out / "verify_cost.json").read_text())["median_ms"]
+    assert all(med["llamacpp"][str(m)] > 0 for m in (1, 2, 3))
+
+
 @pytest.mark.real
 def test_on_the_default_target_bench_checks_against_specdec_target_only(tmp_path):
     """The real pair in its default integer numerics: `specdec bench` adds specdec
