@@ -333,36 +333,35 @@ def cmd_bench_verify(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    engines, timers = {}, {}
+    ctx, ms = args.context, range(1, args.max_tokens + 1)
+    ids = (torch.arange(ctx + args.max_tokens) % 1000 + 10).tolist()  # a context, then rows
+    timers = {}  # name -> ms(rows), in the order given
     for name in args.engines.split(","):
         if name == "llamacpp":  # llama.cpp on the same GGUF file and threads
             from bench.llamacpp import INSTALL, forward_timer
 
-            timer = forward_timer(args.target, args.threads, args.context, args.max_tokens)
-            if timer is None:
+            timers[name] = forward_timer(args.target, args.threads, ids, ctx)
+            if timers[name] is None:
                 raise SystemExit(f"error: the llamacpp column needs llama-cpp-python: {INSTALL}")
-            timers[name] = timer
-        elif name == "integer":
+            continue
+        if name == "integer":
             engine, _, _ = load_engine(args.target, torch.device("cpu"), "auto", "integer")
             if engine.numerics != "integer":
                 print(f"(no integer column: {args.target} has no codes for it)")
                 continue
-            engines[name] = engine
         else:
-            engines[name], _, _ = load_engine(args.target, torch.device("cpu"), name, "float")
-    ctx, ms = args.context, range(1, args.max_tokens + 1)
-    prompt = torch.arange(ctx) % 1000 + 10
-    timers.update({n: e.forward_timer(ctx, args.max_tokens) for n, e in engines.items()})
-    timers = {n: timers[n] for n in args.engines.split(",") if n in timers}  # as given
+            engine, _, _ = load_engine(args.target, torch.device("cpu"), name, "float")
+        timers[name] = engine.forward_timer(ctx, args.max_tokens)
+    engine = None  # the timers hold the engines, freed with them below
     times = {n: {m: [] for m in ms} for n in [*timers] + ([] if args.no_service
                                                            else ["in-service"])}
     for _ in tqdm(range(args.reps), desc="engine cost", unit="rep"):
         for m in ms:
             for n, timer in timers.items():  # interleaved
                 times[n][m].append(timer(m))
-    del engines, timers
+    del timers  # (and the engines they hold)
     if not args.no_service:
-        for m, values in _in_service_verify_ms(args.target, args.threads, prompt.tolist(), ms,
+        for m, values in _in_service_verify_ms(args.target, args.threads, ids[:ctx], ms,
                                                args.reps, args.numerics).items():
             times["in-service"][m] = values
     med = {n: {m: sorted(v)[len(v) // 2] for m, v in d.items()} for n, d in times.items()}

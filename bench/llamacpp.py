@@ -90,11 +90,12 @@ class LlamaCpp:
         return tokens, wall
 
 
-def forward_timer(target: str, threads: int, context: int, max_rows: int):
-    """ms(rows): llama.cpp's forward over ``rows`` new tokens after ``context`` tokens on the
-    target's GGUF file, logits of every new row (a verify's work, as specdec's timer), the
-    cache cut back to the context after each probe: ``specdec bench-verify --engines
-    llamacpp``, the column beside specdec's engines. None where llama-cpp-python is missing."""
+def forward_timer(target: str, threads: int, ids: list[int], context: int):
+    """ms(rows): llama.cpp's forward over ``rows`` new tokens ``ids[context:context + rows]``
+    after the ``context`` tokens before them, on the target's GGUF file, logits of every new
+    row (a verify's work, as specdec's timer), each probe cut back to the context first:
+    ``specdec bench-verify --engines llamacpp``, the column beside specdec's engines. None
+    where llama-cpp-python is missing."""
     from specdec.models.hub import gguf_file
 
     try:
@@ -105,16 +106,16 @@ def forward_timer(target: str, threads: int, context: int, max_rows: int):
     if path is None:
         raise SystemExit(f"error: the llamacpp column needs a GGUF target, not {target!r}")
     threads = threads or os.cpu_count() or 1
-    llm = Llama(model_path=str(path), n_ctx=context + max_rows + 8, n_batch=max(64, max_rows),
+    max_rows = len(ids) - context
+    llm = Llama(model_path=str(path), n_ctx=len(ids) + 8, n_batch=max(64, max_rows),
                 n_threads=threads, n_threads_batch=threads, logits_all=True, seed=0,
                 verbose=False)
-    tokens = [(i % 1000) + 10 for i in range(context + max_rows)]
-    llm.eval(tokens[:context])
+    llm.eval(ids[:context])
 
     def timed(rows: int) -> float:
         llm.n_tokens = context  # (eval first cuts the cache back to n_tokens)
         start = time.perf_counter()
-        llm.eval(tokens[context:context + rows])
+        llm.eval(ids[context:context + rows])
         return (time.perf_counter() - start) * 1000.0
 
     timed.model = llm  # (its scores: what the probes computed)

@@ -308,9 +308,9 @@ def test_bench_verify_times_llamacpp_beside_specdec(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "llama_cpp", None)  # as if not installed
-        assert llamacpp.forward_timer("default", 1, 150, 9) is None
+        assert llamacpp.forward_timer("default", 1, list(range(10, 169)), 150) is None
     pytest.importorskip("llama_cpp")
-    timer = llamacpp.forward_timer("default", 1, 60, 4)
+    timer = llamacpp.forward_timer("default", 1, list(range(10, 74)), 60)
     assert timer(4) > 0
     first = [list(row) for row in timer.model.scores[60:64]]
     for _ in range(12):  # 12 x 4 rows would overflow the 72-position context without the cut

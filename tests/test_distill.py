@@ -242,6 +242,19 @@ def test_kept_answers_rebuild_every_shard_by_scoring_with_the_same_scores(tmp_pa
         build(tmp_path / "c")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--answers-as-labels"], "--answers-as-labels goes with --skip-data"),
+    (["--skip-data", "--more-answers", "x"], "--more-answers goes with --answers-as-labels"),
+    (["--grow", "15"], "--grow goes with --init-draft")])
+def test_distill_refuses_a_flag_without_the_one_it_needs_before_any_work(tmp_path, flags,
+                                                                         message):
+    out = subprocess.run([sys.executable, "-m", "orchestrator.cli", "distill", "--out",
+                          str(tmp_path / "work"), *flags], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0 and message in out.stderr
+    assert not (tmp_path / "work").exists()  # refused before making anything
+
+
 def test_a_grown_draft_starts_as_the_draft_it_grew_from(tiny_models):
     """grow_draft inserts target layers whose output projections are zero: the deeper draft's
     logits are the draft's exactly (mutant: the new layer's wo kept from the target), the new

@@ -141,6 +141,11 @@ def cmd_distill(args) -> int:
     from specdec.distill.prompts import train_conversations
     from specdec.models import draft_model
 
+    for flag, needs in (("answers_as_labels", "skip_data"), ("more_answers", "answers_as_labels"),
+                        ("grow", "init_draft")):  # before any work
+        if getattr(args, flag) and not getattr(args, needs):
+            raise SystemExit(f"error: --{flag.replace('_', '-')} goes with "
+                             f"--{needs.replace('_', '-')}")
     if args.threads:
         torch.set_num_threads(args.threads)
     work = pathlib.Path(args.out)
@@ -234,14 +239,10 @@ def _training_records(args, work: pathlib.Path, shards) -> list[dict]:
 
     records = load_shards(shards)
     if args.answers_as_labels:
-        if not args.skip_data:
-            raise SystemExit("error: --answers-as-labels goes with --skip-data")
         kept = unscored_answers(pathlib.Path(args.answers or work / "answers"), work / "data")
         kept += [p for d in args.more_answers for p in sorted(pathlib.Path(d).glob("answers-*.npz"))]
         records += answers_as_labels([r for p in kept for r in load_answers(p)])
         print(f"{len(kept)} answer files without scores: their tokens are their labels")
-    elif args.more_answers:
-        raise SystemExit("error: --more-answers goes with --answers-as-labels")
     return records
 
 
@@ -255,8 +256,6 @@ def _start(args, recipe, records: list[dict], eos):
     if not args.init_draft:
         vocab_map = distill.build_vocab(records, recipe.vocab, sorted(eos))
         module, arch = distill.init_from_target(recipe, vocab_map)
-        if args.grow:
-            raise SystemExit("error: --grow goes with --init-draft")
         return module, arch, vocab_map, recipe, None
     path = resolve_draft_spec(args.init_draft, args.target)
     if not draft_model.is_draft_dir(path):

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specdec.models.draft_model import LAYER_PARAMS, target_weights
 from specdec.serving.arch import ArchConfig, rope_inv_freq
 
-LAYER_PARAMS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
 @dataclasses.dataclass
 class FeatureRecipe:
@@ -237,13 +237,7 @@ def init_from_target(recipe: FeatureRecipe, vocab_map: torch.Tensor, feature_sca
                      model=None) -> FeatureDraft:
     """A FeatureDraft with the layer from target layer ``recipe.init_layer`` and the head from
     the target's (tied) embedding rows of the draft vocabulary."""
-    from specdec.models.hub import load_hf_model
-    from specdec.serving.arch import canonical_weights
-
-    if model is None:
-        model, _ = load_hf_model(recipe.target)
-    arch_t = ArchConfig.from_hf(model.config)
-    weights = canonical_weights(model.state_dict(), arch_t)
+    arch_t, weights = target_weights(recipe.target, model)
     arch = dataclasses.replace(arch_t, num_layers=1)
     draft = FeatureDraft(arch, weights["embed"].float().clone(), vocab_map, feature_scale,
                          recipe.feature_out)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.models import draft_model
-from specdec.models.draft_model import DraftModule
+from specdec.models.draft_model import LAYER_PARAMS, DraftModule
 from specdec.serving.arch import ArchConfig
 from specdec.serving.engine import LlamaEngine
 
@@ -141,17 +141,11 @@ def soft_target_loss(logits: torch.Tensor, rows, tgt_ids, tgt_lp) -> tuple[torch
 def init_from_target(recipe: Recipe, vocab_map: torch.Tensor,
                      model=None) -> tuple[DraftModule, ArchConfig]:
     """A draft module initialised from the target (``model``, or loaded from recipe.target)."""
-    from specdec.models.hub import load_hf_model
-    from specdec.serving.arch import canonical_weights
-
-    if model is None:
-        model, _ = load_hf_model(recipe.target)
-    arch_t = ArchConfig.from_hf(model.config)
-    weights = canonical_weights(model.state_dict(), arch_t)
+    arch_t, weights = draft_model.target_weights(recipe.target, model)
     arch = dataclasses.replace(arch_t, num_layers=len(recipe.layers))
     init = {"norm": weights["norm"], "head": weights["head"][vocab_map]}
     for i, src in enumerate(recipe.layers):
-        for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+        for name in LAYER_PARAMS:
             init[f"layers.{i}.{name}"] = weights[f"layers.{src}.{name}"]
     module = DraftModule(arch, weights["embed"].clone(), vocab_map)
     module.load_canonical(init)
@@ -176,13 +170,7 @@ def grow_draft(module: DraftModule, sources: tuple[int, ...], target: str = "def
     """A deeper draft computing exactly what ``module`` computes: new layers, started from the
     target's layers ``sources``, go before its last layer with their output projections (wo,
     w_down) zero, so each adds nothing to the residual stream until training moves them."""
-    from specdec.models.hub import load_hf_model
-    from specdec.serving.arch import canonical_weights
-
-    if model is None:
-        model, _ = load_hf_model(target)
-    arch_t = ArchConfig.from_hf(model.config)
-    weights = canonical_weights(model.state_dict(), arch_t)
+    _, weights = draft_model.target_weights(target, model)
     old = module.canonical()
     n = module.arch.num_layers
     arch = dataclasses.replace(module.arch, num_layers=n + len(sources))
@@ -190,7 +178,7 @@ def grow_draft(module: DraftModule, sources: tuple[int, ...], target: str = "def
         + [("draft", n - 1)]
     init = {"norm": old["norm"], "head": old["head"]}
     for i, (kind, src) in enumerate(order):
-        for name in ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down"):
+        for name in LAYER_PARAMS:
             if kind == "draft":
                 init[f"layers.{i}.{name}"] = old[f"layers.{src}.{name}"]
             elif name in ("wo", "w_down"):

@@ -28,6 +28,7 @@ FORMAT = "specdec-draft/1"
 META_FILE = "draft.json"
 WEIGHTS_FILE = "weights.safetensors"
 SHIPPED_DIR = pathlib.Path(__file__).parents[1] / "assets" / "default_draft"
+LAYER_PARAMS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")  # a layer's weights
 
 
 def is_draft_dir(spec: str) -> bool:
@@ -165,6 +166,18 @@ def save(path, arch: ArchConfig, weights: dict[str, torch.Tensor], vocab_map: to
         card=card,
     )
     (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def target_weights(target: str, model=None) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
+    """A target's arch and canonical weights (from ``model``, or loaded from ``target``): what
+    a trainable draft starts its layers, norm and head from."""
+    from specdec.models.hub import load_hf_model
+    from specdec.serving.arch import canonical_weights
+
+    if model is None:
+        model, _ = load_hf_model(target)
+    arch = ArchConfig.from_hf(model.config)
+    return arch, canonical_weights(model.state_dict(), arch)
 
 
 class DraftModule(nn.Module):
