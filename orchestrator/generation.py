@@ -111,6 +111,7 @@ class Round:
     prompt_logprobs: list["TokenLogprob"] = dataclasses.field(default_factory=list)
     committed_s: float = 0.0  # since the generation started, when its tokens were committed
     behind: Behind | None = None  # pipelined: the draft's call behind this verify, if any
+    features: object = None  # the verdict's pb.Features (asked for a feature draft)
 
     @property
     def tokens(self) -> list[int]:

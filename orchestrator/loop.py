@@ -50,6 +50,7 @@ from orchestrator.planning import LOOKUP_MAX_TOKENS, Planner, record_cancelled
 from orchestrator.service_clients import (
     CallRecord,
     DraftClient,
+    FeatureLog,
     History,
     ServiceError,
     TargetClient,
@@ -106,6 +107,9 @@ class Orchestrator:
         # token the grammar refuses. The services run their own matchers.
         info = self.target.info
         self.grammars = Grammars(tokenizer, info.vocab_size if info else None, eos_ids)
+        # A feature-conditioned draft reads the target's features: every verify asks for
+        # them (from the prompt's last position on) and the draft's calls pass them on.
+        self.features = bool(draft is not None and draft.info and draft.info.features)
 
     def _calibrated_costs(self, kind: type[Costs] = Costs) -> Costs:
         """Costs from the services' start-up calibration (GetInfo.forward_ms)."""
@@ -220,7 +224,7 @@ class Orchestrator:
             )
         session_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         stats = GenerationStats(mode=req.mode)
-        history = History(req.prompt_ids)
+        history = History(req.prompt_ids, FeatureLog() if self.features else None)
         out = _Output(self.tokenizer, req, self.eos_ids)
         planner = Planner(self, req, session_id, stats)
         pipeline = Pipeline(planner) if planner.pipelined else None
@@ -242,6 +246,8 @@ class Orchestrator:
                 prompt_logprobs = prompt_logprobs or rnd.prompt_logprobs
                 taken, delta, done = out.commit(rnd.tokens, rnd.logprobs)
                 history.extend(taken)
+                if history.features is not None:
+                    self._keep_features(session_id, history, rnd)
                 rnd.committed_s = time.perf_counter() - started
                 if delta is not None:
                     yield delta  # before waiting for the next block: the text goes out now
@@ -276,15 +282,28 @@ class Orchestrator:
             req.sampling, req.request_id, req.logprobs,
             prompt_logprobs=req.prompt_logprobs and first,
             decode_on=decode_on, stop_ids=self.eos_ids if decode_on else (),
+            features_from=max(len(req.prompt_ids) - 1, 0) if history.features is not None
+            else None,
         )
         rec.after_draft = block.source is Source.DRAFT  # (not a pipelined hit, lookup or none)
         self._record(stats, rec)
         rnd = Round(block, int(resp.num_accepted), int(resp.next_token), list(resp.decoded))
+        rnd.features = resp.features if resp.HasField("features") else None
         if req.logprobs is not None:
             rnd.logprobs = _token_logprobs(rnd.tokens, resp.logprobs)
         if req.prompt_logprobs and first:
             rnd.prompt_logprobs = _token_logprobs(req.prompt_ids[1:], resp.prompt_logprobs)
         return rnd
+
+    def _keep_features(self, session_id: str, history: History, rnd: Round) -> None:
+        """Keep the verdict's features with the session's history (those of positions it
+        holds: a feature predicts the next token). Where a verdict's features went missing
+        the target is sent the whole history next round, which gives them all again."""
+        if rnd.features is not None and not history.features.put(rnd.features):
+            log.info("session %s: the target's features have a gap; re-sending its history",
+                     session_id)
+            self.target.forget(session_id)
+        history.features.truncate(len(history) - 1)
 
     async def _draft(self, session_id: str, history: History, extra: list[int], k: int,
                      req: GenerationRequest, stats: GenerationStats,

@@ -18,8 +18,19 @@ class TokenizerMismatch(ValueError):
     """The draft and target (or the orchestrator's tokenizer) do not share a tokenizer."""
 
 
+class FeatureMismatch(ValueError):
+    """A feature-conditioned draft reads features of another width than the target's."""
+
+
 def check_pair(target_info, draft_info, tokenizer_fp: str | None = None) -> None:
-    """Raise TokenizerMismatch naming both models when their tokenizers differ."""
+    """Raise TokenizerMismatch naming both models when their tokenizers differ, and
+    FeatureMismatch when a feature draft cannot read the target's features."""
+    if draft_info is not None and draft_info.features and \
+            draft_info.feature_dim != target_info.feature_dim:
+        raise FeatureMismatch(
+            f"draft model {draft_info.model!r} reads features of width {draft_info.feature_dim}, "
+            f"target model {target_info.model!r} gives {target_info.feature_dim or 'none'}: "
+            "a feature draft is trained for one target")
     if draft_info is not None and draft_info.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
         raise TokenizerMismatch(
             f"draft model {draft_info.model!r} and target model {target_info.model!r} have "

@@ -64,10 +64,11 @@ def _tls_failure(details: str) -> bool:
 class History:
     """A session's committed tokens (prompt first) with the rolling hash of every prefix."""
 
-    def __init__(self, tokens: list[int]):
+    def __init__(self, tokens: list[int], features: FeatureLog | None = None):
         self.tokens: list[int] = []
         self.hashes: list[int] = [0]
         self.extend(tokens)
+        self.features = features  # the target's features (when the draft reads them)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -76,6 +77,50 @@ class History:
         tokens = [int(t) for t in tokens]
         self.tokens.extend(tokens)
         extend_hashes(self.hashes, tokens)
+
+
+class FeatureLog:
+    """The target's features of a session's positions, as its verdicts gave them
+    (VerifyResponse.features, float16 rows kept as bytes), to pass on to a feature draft."""
+
+    def __init__(self):
+        self.start: int | None = None
+        self.dim = 0
+        self.data = bytearray()
+
+    @property
+    def end(self) -> int:
+        """Features are held for positions start .. end - 1."""
+        return 0 if self.start is None else self.start + len(self.data) // (2 * self.dim)
+
+    def put(self, msg: pb.Features) -> bool:
+        """Keep a verdict's features (they continue or overlap the ones held); False when
+        they leave a gap (a verdict's features were lost: the target must send them again)."""
+        if not msg.data:
+            return True
+        if self.start is None:
+            self.start, self.dim = int(msg.start), int(msg.dim)
+        elif not self.start <= msg.start <= self.end or msg.dim != self.dim:
+            return False
+        del self.data[(msg.start - self.start) * 2 * self.dim:]
+        self.data += msg.data
+        return True
+
+    def truncate(self, end: int) -> None:
+        """Keep the features of positions below ``end``."""
+        if self.start is not None:
+            del self.data[max(0, end - self.start) * 2 * self.dim:]
+
+    def message(self, first: int, end: int) -> pb.Features | None:
+        """The features of positions first .. end - 1 that are held, None if none."""
+        if self.start is None:
+            return None
+        first, end = max(first, self.start), min(end, self.end)
+        if first >= end:
+            return None
+        row = 2 * self.dim
+        return pb.Features(start=first, dim=self.dim, data=bytes(
+            self.data[(first - self.start) * row:(end - self.start) * row]))
 
 
 @dataclasses.dataclass
@@ -261,6 +306,8 @@ class DraftClient(ServiceClient):
         super().__init__(*args, **kwargs)
         self.stub = pb_grpc.DraftServiceStub(self.channel)
         self._tickets: dict[str, int] = {}  # latest call per session: only it updates `known`
+        # session id -> the end of the target's features the draft holds (a feature draft)
+        self.features_sent: dict[str, int] = {}
         # A draft is an accelerator, never a dependency: past this deadline a round goes on
         # without it, and a failed draft is left alone until a health check says it is back.
         self.draft_timeout_s = draft_timeout_s
@@ -280,6 +327,7 @@ class DraftClient(ServiceClient):
 
     async def close_session(self, session_id: str) -> None:
         self._tickets.pop(session_id, None)
+        self.features_sent.pop(session_id, None)
         await super().close_session(session_id)
 
     async def available(self) -> bool:
@@ -300,13 +348,30 @@ class DraftClient(ServiceClient):
             self.backoff.failed()
             return False
 
+    def _add_features(self, session_id: str, seq: History, req: pb.DraftRequest) -> int:
+        """Put in ``req`` the target's features the draft does not hold (all of them on a
+        (re)start); the end of those it will hold, 0 when none go."""
+        if seq.features is None:
+            return 0
+        prefix = req.session.prefix_len
+        first = min(self.features_sent.get(session_id, 0), prefix) if prefix else 0
+        msg = seq.features.message(first, len(seq) - 1)  # a feature predicts the next token
+        if msg is None:
+            return 0
+        req.features.CopyFrom(msg)
+        return msg.start + len(msg.data) // (2 * msg.dim)
+
+    def forget(self, session_id: str) -> None:
+        super().forget(session_id)
+        self.features_sent.pop(session_id, None)
+
     async def propose(self, session_id: str, history: History, extra: list[int], k: int,
                       sampling: SamplingParams, request_id: str = "") -> tuple[pb.DraftResponse, CallRecord]:
         """Propose k tokens after history + extra (extra: uncommitted tokens, pipelining).
 
         Unary so that a speculative call can be cancelled; re-prefills once on a lost session.
         """
-        seq = History(history.tokens + extra) if extra else history
+        seq = History(history.tokens + extra, history.features) if extra else history
 
         def request(ref, tokens):
             return pb.DraftRequest(session=ref, tokens=tokens, k=k,
@@ -323,7 +388,7 @@ class DraftClient(ServiceClient):
         """The speculation cache: while the target verifies ``block`` after ``history``, a
         block of ``depth`` for each of the likeliest verdicts (``width`` candidates for the
         target's token per acceptance length)."""
-        seq = History(history.tokens + block)
+        seq = History(history.tokens + block, history.features)
         spec = pb.BranchSpec(block_len=len(block), width=width, depth=depth)
 
         def request(ref, tokens):
@@ -345,10 +410,11 @@ class DraftClient(ServiceClient):
         ticket = self._tickets[session_id] = self._tickets.get(session_id, 0) + 1
         for attempt in (0, 1):
             ref, tokens = self.ref(session_id, seq, resend_from)
+            req = request(ref, tokens)
+            sent = self._add_features(session_id, seq, req)
             start = time.perf_counter()
             try:
-                resp = await self._stream_call(session_id, request(ref, tokens),
-                                               self.draft_timeout_s)
+                resp = await self._stream_call(session_id, req, self.draft_timeout_s)
             except asyncio.TimeoutError:
                 self.forget(session_id)
                 raise ServiceError("draft", grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -364,10 +430,14 @@ class DraftClient(ServiceClient):
                 # The draft may have truncated to the prefix and appended part of the block.
                 if self._tickets.get(session_id) == ticket:
                     self.known[session_id] = seq.tokens[: ref.prefix_len]
+                    self.features_sent[session_id] = min(
+                        self.features_sent.get(session_id, 0), ref.prefix_len)
                 raise
             end = time.perf_counter()
             if self._tickets.get(session_id) == ticket:
                 self.known[session_id] = known_after(resp)
+                if sent:
+                    self.features_sent[session_id] = sent
             return resp, CallRecord("draft", start, end, resp.compute_ms, 0,
                                     re_prefilled=attempt > 0, sent_tokens=len(tokens))
         raise AssertionError("unreachable")
@@ -431,11 +501,13 @@ class TargetClient(ServiceClient):
                      draft_dists, sampling: SamplingParams, request_id: str = "",
                      logprobs: int | None = None, prompt_logprobs: bool = False,
                      decode_on: int = 0, stop_ids: Iterable[int] = (),
+                     features_from: int | None = None,
                      ) -> tuple[pb.VerifyResponse, CallRecord]:
         """Verify a block. A lost session is re-prefilled; a call that fails while the target
         still serves (a dropped connection) is sent again; a target that is down (dead,
         restarting, loading) fails the call with UNAVAILABLE at once, or after waiting up to
-        ``unavailable_deadline_s`` for it to come back."""
+        ``unavailable_deadline_s`` for it to come back. ``features_from``: ask for the
+        target's features of the positions the call adds from there on (a feature draft)."""
         deadline = time.monotonic() + self.unavailable_deadline_s
         backoff = 0.05
         lost_retries = transient_retries = 0
@@ -454,7 +526,9 @@ class TargetClient(ServiceClient):
                                    draft_dists=draft_dists, sampling=sampling.to_wire(pb),
                                    request_id=request_id, logprobs=logprobs is not None,
                                    top_logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs,
-                                   decode_on=decode_on, stop_ids=list(stop_ids))
+                                   decode_on=decode_on, stop_ids=list(stop_ids),
+                                   return_features=features_from is not None,
+                                   features_from=features_from or 0)
             start = time.perf_counter()
             timeout_s = self.call_timeout_s(len(tokens) + decode_on)
             try:

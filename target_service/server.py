@@ -23,6 +23,14 @@ def _wire_logprobs(entries) -> list:
     return [pb.TokenLogprobs(logprob=lp, top_ids=ids, top_logprobs=lps) for lp, ids, lps in entries]
 
 
+def features_message(features) -> pb.Features | None:
+    """VerifyResult.features (start, [rows, hidden] float16) as the wire's Features."""
+    if features is None:
+        return None
+    start, rows = features
+    return pb.Features(start=start, dim=rows.shape[1], data=rows.numpy().astype("<f2").tobytes())
+
+
 class TargetServicer(CommonServicerMixin, pb_grpc.TargetServiceServicer):
     pb = pb
 
@@ -49,6 +57,7 @@ class TargetServicer(CommonServicerMixin, pb_grpc.TargetServiceServicer):
             prompt_logprobs=_wire_logprobs(result.prompt_logprobs),
             decoded=result.decoded,
             passes=result.passes,
+            features=features_message(result.features),
         )
 
     async def Verify(self, request, context):

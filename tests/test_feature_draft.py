@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specdec.distill import feature_draft as fd
-from specdec.distill import feature_model as fm
+from specdec.models import feature_model as fm
 from specdec.distill.train import simulate_tokens_per_round
 
 VOCAB, HIDDEN = 64, 32

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specdec.distill.feature_model import FeatureDraft, FeatureRecipe, init_from_target
+from specdec.models.feature_model import FeatureDraft, FeatureRecipe, init_from_target
 from specdec.distill.train import (build_vocab, lr_at, save_checkpoint, simulate_tokens_per_round,
                                    soft_target_loss)
 

@@ -28,12 +28,18 @@ FORMAT = "specdec-draft/1"
 META_FILE = "draft.json"
 WEIGHTS_FILE = "weights.safetensors"
 SHIPPED_DIR = pathlib.Path(__file__).parents[1] / "assets" / "default_draft"
+FEATURE = "feature"  # draft.json's kind of a feature-conditioned draft (absent: a plain one)
 LAYER_PARAMS = ("attn_norm", "wqkv", "wo", "mlp_norm", "w_gate_up", "w_down")  # a layer's weights
 
 
 def is_draft_dir(spec: str) -> bool:
     path = pathlib.Path(spec).expanduser()
     return (path / META_FILE).is_file()
+
+
+def is_feature_draft(spec: str) -> bool:
+    """A draft directory holding a feature-conditioned draft (``specdec.models.feature_model``)."""
+    return is_draft_dir(spec) and read_meta(pathlib.Path(spec).expanduser()).get("kind") == FEATURE
 
 
 def shipped_draft_dir() -> pathlib.Path | None:
@@ -133,11 +139,12 @@ def load_engine(path, device, kernels: str = "auto", quantize: str | None = None
 
 
 def save(path, arch: ArchConfig, weights: dict[str, torch.Tensor], vocab_map: torch.Tensor,
-         target: str, card: dict, int8: bool = True) -> None:
+         target: str, card: dict, int8: bool = True, meta_extra: dict | None = None) -> None:
     """Write a draft directory, input embedding left to the target.
 
     Matrices are stored as per-row int8 with fp16 scales (``int8``, half the size of fp16;
     the draft *is* what is stored, so exactness is unaffected), vectors as fp16.
+    ``meta_extra``: more of draft.json (a feature draft's ``kind``).
     """
     from safetensors.torch import save_file
 
@@ -163,6 +170,7 @@ def save(path, arch: ArchConfig, weights: dict[str, torch.Tensor], vocab_map: to
         arch=dataclasses.asdict(arch),
         vocab_out=int(vocab_map.shape[0]),
         embed_from_target=True,
+        **(meta_extra or {}),
         card=card,
     )
     (path / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")

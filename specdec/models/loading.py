@@ -80,6 +80,9 @@ def _model_info(config: ServiceConfig, engine, tokenizer, hf_config) -> ServiceI
         eos_token_ids=eos_token_ids(tokenizer, hf_config),
         forward_ms=[],
         numerics=engine.numerics,
+        features=getattr(engine, "reads_features", False),
+        feature_dim=engine.arch.hidden_size if config.role == "target" or
+        getattr(engine, "reads_features", False) else 0,
     )
 
 
@@ -123,8 +126,19 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
         )
         return DraftRuntime(config, info, None, tokenizer=tokenizer)
     device = pick_device(config.device)
-    engine, tokenizer, hf_config = load_engine(spec, device, config.kernels, config.numerics,
-                                               pick_dtype(config.dtype, device))
+    from specdec.models import draft_model
+
+    if draft_model.is_feature_draft(spec):  # reads the target's features (EAGLE-style)
+        from specdec.models import feature_model
+        from specdec.models.hub import load_tokenizer
+        from specdec.serving.feature_engine import FeatureEngine
+
+        engine = FeatureEngine(feature_model.load_draft(spec), device)
+        tokenizer, hf_config = load_tokenizer(draft_model.read_meta(spec)["target"]), None
+    else:
+        engine, tokenizer, hf_config = load_engine(spec, device, config.kernels,
+                                                   config.numerics,
+                                                   pick_dtype(config.dtype, device))
     return DraftRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine,
                         q_top_k=q_top_k, tokenizer=tokenizer)
 

@@ -268,7 +268,7 @@ def info_message(pb, info) -> object:
         model=info.model, role=info.role, tokenizer_fingerprint=info.tokenizer_fingerprint,
         vocab_size=info.vocab_size, max_context=info.max_context,
         eos_token_ids=info.eos_token_ids, forward_ms=info.forward_ms, drafter=info.drafter,
-        numerics=info.numerics,
+        numerics=info.numerics, features=info.features, feature_dim=info.feature_dim,
     )
 
 

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from specdec.config import MAX_K, SamplingParams
-from specdec.serving.drafting import checked_tokens, draft_sampling
+from specdec.serving.drafting import checked_tokens, draft_sampling, take_features
+from specdec.serving.feature_engine import wire_features
 from specdec.serving.engine import KVCache, LlamaEngine
 from specdec.serving.grammar import GrammarState, Grammars, mask_logits
 from specdec.serving.sampling import bias_logits, coupling_noise, process_logits
@@ -47,6 +48,7 @@ class BranchCall:
     depth: int  # tokens drafted after each candidate
     sampling: SamplingParams
     request_id: str = ""
+    features: tuple[int, torch.Tensor] | None = None  # (start, rows): the target's features
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "BranchCall":
@@ -65,7 +67,8 @@ class BranchCall:
             raise ValueError("branches need greedy or coupled sampling without penalties")
         return cls(req.session.session_id, int(req.session.prefix_len),
                    int(req.session.prefix_hash), tokens, int(b.block_len), int(b.width),
-                   int(b.depth), sampling, req.request_id[:64])
+                   int(b.depth), sampling, req.request_id[:64],
+                   wire_features(req.features, req.session.prefix_len + len(tokens)))
 
 
 @dataclasses.dataclass
@@ -132,6 +135,7 @@ class BranchWork(Work):
             raise ValueError(f"sequence exceeds the draft's context of {max_ctx}")
         # Never draft past the context: shorter branches are still branches.
         self.depth = min(c.depth, max_ctx - c.prefix_len - len(c.tokens) - 1)
+        take_features(self)
 
     def next_piece(self, budget: int) -> Piece | list[Piece] | None:
         feed, rows = self.call.tokens, self.call.block_len + 1

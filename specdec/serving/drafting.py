@@ -13,6 +13,7 @@ import torch
 
 from specdec.config import MAX_K, SamplingParams
 from specdec.serving.engine import LlamaEngine
+from specdec.serving.feature_engine import wire_features
 from specdec.serving.grammar import Grammars, mask_logits, session_grammar
 from specdec.serving.sampling import (
     bias_logits,
@@ -42,6 +43,7 @@ class ProposeCall:
     k: int
     sampling: SamplingParams
     request_id: str = ""
+    features: tuple[int, torch.Tensor] | None = None  # (start, rows): the target's features
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "ProposeCall":
@@ -56,7 +58,16 @@ class ProposeCall:
             k=int(req.k),
             sampling=SamplingParams.from_wire(req.sampling),
             request_id=req.request_id[:64],
+            features=wire_features(req.features, req.session.prefix_len + len(tokens)),
         )
+
+
+def take_features(work: Work) -> None:
+    """Give a draft call's features (ProposeCall / BranchCall.features) to its session's
+    cache, where the draft reads them (a feature draft's); other drafts ignore them."""
+    features = work.call.features
+    if features is not None and hasattr(work.session.cache, "add_features"):
+        work.session.cache.add_features(*features)
 
 
 def checked_tokens(tokens, vocab_size: int) -> list[int]:
@@ -126,6 +137,7 @@ class DraftWork(Work):
             raise ValueError(f"sequence exceeds the draft's context of {max_ctx}")
         # Never draft past the context: a shorter block is still a valid block.
         self.k = min(c.k, max_ctx - c.prefix_len - len(c.tokens))
+        take_features(self)
 
     def next_piece(self, budget: int) -> Piece | None:
         feed = self.call.tokens

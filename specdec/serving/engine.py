@@ -342,10 +342,12 @@ class LlamaEngine(LayerOps):
         caches: Sequence[KVCache],
         tokens: Sequence[torch.Tensor],
         num_logits: Sequence[int],
+        num_features: Sequence[int] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``forward``, and with each session's logits the rows the head read them from: the
-        final norm's output at those positions, [num_logits[i], hidden] (the target's
-        *feature* of a position, what a feature-conditioned draft is given)."""
+        """``forward``, and the final norm's output at each session's last ``num_features[i]``
+        positions (default: ``num_logits[i]``, the rows the head read the logits from),
+        [num_features[i], hidden]: the target's *feature* of a position, what a
+        feature-conditioned draft is given. The head reads only the last num_logits rows."""
         p = self._layout(caches, tokens)
         x = self.embed[p.flat]  # [N, hidden]
         if self.embed_scale is not None:
@@ -362,8 +364,10 @@ class LlamaEngine(LayerOps):
                 x = self._block(x, li, layer, caches, p)
         for c, n0, t in zip(caches, p.lengths, p.sizes):
             c.length = n0 + t
+        wanted = list(num_logits) if num_features is None else \
+            [max(m, f) for m, f in zip(num_logits, num_features)]
         rows = torch.cat([torch.arange(p.offsets[i + 1] - m, p.offsets[i + 1], device=self.device)
-                          for i, m in enumerate(num_logits)])
+                          for i, m in enumerate(wanted)])
         if rows.numel() == 0:
             return ([torch.empty(0, self.vocab_out, device=self.device) for _ in caches],
                     [x.new_empty(0, x.shape[1]) for _ in caches])
@@ -374,10 +378,15 @@ class LlamaEngine(LayerOps):
                                         x.shape[1], self.arch.rms_norm_eps)
         else:
             feats = self._rms_norm(x[rows], self.norm)
-        logits = self.head(feats).float()  # [sum n_i, vocab_out]
+        groups = list(feats.split(wanted))
+        head_rows = feats if num_features is None else \
+            torch.cat([g[g.shape[0] - m:] for g, m in zip(groups, num_logits)])
+        logits = self.head(head_rows).float()  # [sum n_i, vocab_out]
         if self.arch.final_softcap is not None:  # Gemma 2/3
             logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
-        return list(logits.split(list(num_logits))), list(feats.split(list(num_logits)))
+        if num_features is not None:
+            groups = [g[g.shape[0] - f:] for g, f in zip(groups, num_features)]
+        return list(logits.split(list(num_logits))), groups
 
     def token_ids(self, out_ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids of output logit indices (identity without a vocab_map)."""

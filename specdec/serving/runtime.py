@@ -39,6 +39,8 @@ class ServiceInfo:
     forward_ms: list[float]
     drafter: str = "model"
     numerics: str = ""  # what the model computes (engine.numerics); "" for the n-gram drafter
+    features: bool = False  # a draft that reads the target's features (ModelInfo.features)
+    feature_dim: int = 0  # the features' width (a target's hidden size)
 
 
 def calibrate(engine: LlamaEngine, max_tokens: int = 16, context: int = 128, reps: int = 5) -> list[float]:

@@ -44,6 +44,7 @@ class Piece:
     tokens: torch.Tensor  # [t] int64
     num_logits: int
     prefill: bool  # a prompt chunk (budgeted) rather than a decoding step
+    num_features: int = 0  # the target's features wanted for this many trailing positions
 
 
 class Work:
@@ -65,6 +66,9 @@ class Work:
         self.queued_s = 0.0  # from submission to the start of its first pass (set by the scheduler)
         self._fed = 0  # tokens of the call already fed to the model
         self._piece_len = 0  # tokens of the last piece given
+        # with a piece that asked for features (Piece.num_features): their rows [n, hidden],
+        # set by the scheduler before ``consume``
+        self.piece_features: torch.Tensor | None = None
 
     def start(self) -> None:
         """Resolve the session and check the call (raises to fail the call). Subclasses check
@@ -521,9 +525,15 @@ class BatchScheduler:
         the work that does not fit fails alone and the others complete."""
         flat = [p for asked in pieces for p in asked.group]
         started = self.clock()
+        feats = None
         try:
-            logits = self.engine.forward([p.cache for p in flat], [p.tokens for p in flat],
-                                         [p.num_logits for p in flat])
+            caches, tokens = [p.cache for p in flat], [p.tokens for p in flat]
+            if any(p.num_features for p in flat):  # (only then: costs nothing unasked)
+                logits, feats = self.engine.forward_features(
+                    caches, tokens, [p.num_logits for p in flat],
+                    [p.num_features for p in flat])
+            else:
+                logits = self.engine.forward(caches, tokens, [p.num_logits for p in flat])
         except Exception as exc:
             if not out_of_memory(exc):
                 log.exception("forward pass failed")
@@ -555,6 +565,8 @@ class BatchScheduler:
         for asked in pieces:
             entry, n = asked.entry, len(asked.group)
             lg = logits[at:at + n] if asked.many else logits[at]
+            entry.work.piece_features = feats[at] if feats is not None and not asked.many \
+                else None
             at += n
             entry.work.compute_s += elapsed
             entry.work.batch_size = len(flat)

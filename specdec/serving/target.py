@@ -37,6 +37,7 @@ class VerifyCall:
     prompt_logprobs: bool = False  # also score tokens[1:] (with the same N alternatives)
     decode_on: int = 0  # plain steps to take after the verdict (VerifyRequest.decode_on)
     stop_ids: frozenset[int] = frozenset()  # decoding on ends after one of these
+    features_from: int | None = None  # return the features of added positions from here on
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "VerifyCall":
@@ -86,6 +87,7 @@ class VerifyCall:
             prompt_logprobs=bool(req.prompt_logprobs),
             decode_on=int(req.decode_on),
             stop_ids=frozenset(req.stop_ids),
+            features_from=int(req.features_from) if req.return_features else None,
         )
 
 
@@ -107,6 +109,8 @@ class VerifyResult:
         default_factory=list)  # of tokens[1:], when asked for
     decoded: list[int] = dataclasses.field(default_factory=list)  # decoded on after next_token
     passes: int = 1  # forward passes of the block and of each decoded token
+    # with features_from: (position of the first row, [rows, hidden] float16 on the host)
+    features: tuple[int, torch.Tensor] | None = None
 
 
 def greedy_rows(logits: torch.Tensor, raw: torch.Tensor, top: int | None):
@@ -151,6 +155,8 @@ class VerifyWork(Work):
         self._feed = call.tokens + call.draft_tokens
         self._result: VerifyResult | None = None
         self._prompt_logprobs: list = []
+        self._features: list[torch.Tensor] = []  # kept feature rows, in position order
+        self._features_start: int | None = None
 
     def start(self) -> None:
         super().start()
@@ -175,7 +181,22 @@ class VerifyWork(Work):
             n, prefill, num_logits = remaining, False, final
         self._piece_len = n
         chunk = torch.tensor(self._feed[self._fed : self._fed + n], dtype=torch.long)
-        return Piece(self.session.cache, chunk, num_logits, prefill)
+        features = 0
+        if self.call.features_from is not None:  # the piece's rows at features_from on
+            end = self.call.prefix_len + self._fed + n
+            features = max(0, min(n, end - self.call.features_from))
+        return Piece(self.session.cache, chunk, num_logits, prefill, features)
+
+    def _keep_features(self, rows: int) -> None:
+        """Keep the first ``rows`` of the piece's feature rows (those whose positions entered
+        the cache)."""
+        feats = self.piece_features
+        if feats is None or rows <= 0:
+            return
+        if self._features_start is None:  # the piece's feature rows end at its last position
+            self._features_start = self.call.prefix_len + self._fed + self._piece_len - \
+                feats.shape[0]
+        self._features.append(feats[:rows])
 
     def consume(self, logits: torch.Tensor) -> bool:
         c = self.call
@@ -187,10 +208,18 @@ class VerifyWork(Work):
             self._prompt_logprobs += emitted_logprobs(
                 self.engine.full_vocab_logits(logits[:rows], self.vocab_size), nxt,
                 c.logprobs or 0)
-        self._fed += self._piece_len
-        if self._fed < len(self._feed):
+        if self._fed + self._piece_len < len(self._feed):  # a prefill chunk: all kept
+            self._keep_features(len(self.piece_features) if self.piece_features is not None
+                                else 0)
+            self._fed += self._piece_len
             return False
         num_accepted, next_token, emitted_lp = self._verdict(logits)
+        if self.piece_features is not None:  # the final piece: up to the last accepted row
+            kept_end = self.call.prefix_len + len(self.call.tokens) + num_accepted
+            first_row = self.call.prefix_len + self._fed + self._piece_len - \
+                self.piece_features.shape[0]
+            self._keep_features(kept_end - first_row)
+        self._fed += self._piece_len
         if self._result is None:
             self._result = VerifyResult(num_accepted, next_token, len(self.session), emitted_lp,
                                         self._prompt_logprobs)
@@ -207,6 +236,9 @@ class VerifyWork(Work):
             self._feed, self._fed = [next_token], 0
             return False
         self.session.compute_s += self.compute_s
+        if self._features:  # one copy to the host for the call
+            self._result.features = (self._features_start,
+                                     torch.cat(self._features).to("cpu", torch.float16))
         return True
 
     def _decoding_on(self, token: int) -> bool:

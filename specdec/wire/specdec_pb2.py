@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecdec/wire/specdec.proto\x12\nspecdec.v1\"\xe2\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12(\n\x04rule\x18\x05 \x01(\x0e\x32\x1a.specdec.v1.AcceptanceRule\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nprompt_len\x18\t \x01(\r\x12\x0f\n\x07grammar\x18\n \x01(\t\x12=\n\nlogit_bias\x18\x0b \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"(\n\nSparseDist\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"I\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprefix_len\x18\x02 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x03 \x01(\x04\"\xbe\x01\n\x0c\x44raftRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12(\n\x08\x62ranches\x18\x06 \x01(\x0b\x32\x16.specdec.v1.BranchSpec\"=\n\nBranchSpec\x12\x11\n\tblock_len\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\">\n\x0b\x42ranchBlock\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"\x98\x01\n\rDraftResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12%\n\x05\x64ists\x18\x02 \x03(\x0b\x32\x16.specdec.v1.SparseDist\x12\x11\n\tcache_len\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x02\x12)\n\x08\x62ranches\x18\x05 \x03(\x0b\x32\x17.specdec.v1.BranchBlock\"\xb3\x02\n\rVerifyRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12+\n\x0b\x64raft_dists\x18\x04 \x03(\x0b\x32\x16.specdec.v1.SparseDist\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\t \x01(\x08\x12\x11\n\tdecode_on\x18\n \x01(\r\x12\x10\n\x08stop_ids\x18\x0b \x03(\x05\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\x9f\x02\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\tcache_len\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x02\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x13\n\x0bpass_tokens\x18\x08 \x01(\r\x12\x11\n\tqueued_ms\x18\t \x01(\x02\x12\x0f\n\x07\x64\x65\x63oded\x18\n \x03(\x05\x12\x0e\n\x06passes\x18\x0b \x01(\r\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"!\n\rCloseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xbe\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x12\n\nforward_ms\x18\x07 \x03(\x02\x12\x0f\n\x07\x64rafter\x18\x08 \x01(\t\x12\x10\n\x08numerics\x18\t \x01(\t\"\x0e\n\x0cStatsRequest\"\x9d\x01\n\x0cServiceStats\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_cap_bytes\x18\x03 \x01(\x04\x12\x11\n\tevictions\x18\x04 \x01(\x04\x12\x13\n\x0b\x65xpirations\x18\x05 \x01(\x04\x12\r\n\x05\x63\x61lls\x18\x06 \x01(\x04\x12\x16\n\x0e\x66orward_passes\x18\x07 \x01(\x04*M\n\x0e\x41\x63\x63\x65ptanceRule\x12\x1f\n\x1b\x41\x43\x43\x45PTANCE_RULE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x43OUPLED\x10\x01\x12\r\n\tREJECTION\x10\x02\x32\xd8\x02\n\x0c\x44raftService\x12\x39\n\x07GetInfo\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12>\n\x07Propose\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12H\n\rProposeStream\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12\x43\n\x0c\x43loseSession\x12\x18.specdec.v1.CloseRequest\x1a\x19.specdec.v1.CloseResponse\x12>\n\x08GetStats\x12\x18.specdec.v1.StatsRequest\x1a\x18.specdec.v1.ServiceStats2\xdb\x02\n\rTargetService\x12\x39\n\x07GetInfo\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12I\n\x0cVerifyStream\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12\x43\n\x0c\x43loseSession\x12\x18.specdec.v1.CloseRequest\x1a\x19.specdec.v1.CloseResponse\x12>\n\x08GetStats\x12\x18.specdec.v1.StatsRequest\x1a\x18.specdec.v1.ServiceStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aspecdec/wire/specdec.proto\x12\nspecdec.v1\"\xe2\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12(\n\x04rule\x18\x05 \x01(\x0e\x32\x1a.specdec.v1.AcceptanceRule\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x12\n\nprompt_len\x18\t \x01(\r\x12\x0f\n\x07grammar\x18\n \x01(\t\x12=\n\nlogit_bias\x18\x0b \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"(\n\nSparseDist\x12\x0b\n\x03ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"4\n\x08\x46\x65\x61tures\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"I\n\nSessionRef\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprefix_len\x18\x02 \x01(\r\x12\x13\n\x0bprefix_hash\x18\x03 \x01(\x04\"\xe6\x01\n\x0c\x44raftRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\t\n\x01k\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12(\n\x08\x62ranches\x18\x06 \x01(\x0b\x32\x16.specdec.v1.BranchSpec\x12&\n\x08\x66\x65\x61tures\x18\x07 \x01(\x0b\x32\x14.specdec.v1.Features\"=\n\nBranchSpec\x12\x11\n\tblock_len\x18\x01 \x01(\r\x12\r\n\x05width\x18\x02 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x03 \x01(\r\">\n\x0b\x42ranchBlock\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\x05\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\"\x98\x01\n\rDraftResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12%\n\x05\x64ists\x18\x02 \x03(\x0b\x32\x16.specdec.v1.SparseDist\x12\x11\n\tcache_len\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x02\x12)\n\x08\x62ranches\x18\x05 \x03(\x0b\x32\x17.specdec.v1.BranchBlock\"\xe3\x02\n\rVerifyRequest\x12\'\n\x07session\x18\x01 \x01(\x0b\x32\x16.specdec.v1.SessionRef\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x03 \x03(\x05\x12+\n\x0b\x64raft_dists\x18\x04 \x03(\x0b\x32\x16.specdec.v1.SparseDist\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12\x10\n\x08logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x08 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\t \x01(\x08\x12\x11\n\tdecode_on\x18\n \x01(\r\x12\x10\n\x08stop_ids\x18\x0b \x03(\x05\x12\x17\n\x0freturn_features\x18\x0c \x01(\x08\x12\x15\n\rfeatures_from\x18\r \x01(\r\"G\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12\x0f\n\x07top_ids\x18\x02 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x03 \x03(\x02\"\xc7\x02\n\x0eVerifyResponse\x12\x14\n\x0cnum_accepted\x18\x01 \x01(\r\x12\x12\n\nnext_token\x18\x02 \x01(\x05\x12\x11\n\tcache_len\x18\x03 \x01(\r\x12\x12\n\ncompute_ms\x18\x04 \x01(\x02\x12\x12\n\nbatch_size\x18\x05 \x01(\r\x12+\n\x08logprobs\x18\x06 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.specdec.v1.TokenLogprobs\x12\x13\n\x0bpass_tokens\x18\x08 \x01(\r\x12\x11\n\tqueued_ms\x18\t \x01(\x02\x12\x0f\n\x07\x64\x65\x63oded\x18\n \x03(\x05\x12\x0e\n\x06passes\x18\x0b \x01(\r\x12&\n\x08\x66\x65\x61tures\x18\x0c \x01(\x0b\x32\x14.specdec.v1.Features\"\"\n\x0c\x43loseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"!\n\rCloseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\r\n\x0bInfoRequest\"\xe5\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x1d\n\x15tokenizer_fingerprint\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x12\x12\n\nforward_ms\x18\x07 \x03(\x02\x12\x0f\n\x07\x64rafter\x18\x08 \x01(\t\x12\x10\n\x08numerics\x18\t \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\n \x01(\x08\x12\x13\n\x0b\x66\x65\x61ture_dim\x18\x0b \x01(\r\"\x0e\n\x0cStatsRequest\"\x9d\x01\n\x0cServiceStats\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\x13\n\x0b\x63\x61\x63he_bytes\x18\x02 \x01(\x04\x12\x17\n\x0f\x63\x61\x63he_cap_bytes\x18\x03 \x01(\x04\x12\x11\n\tevictions\x18\x04 \x01(\x04\x12\x13\n\x0b\x65xpirations\x18\x05 \x01(\x04\x12\r\n\x05\x63\x61lls\x18\x06 \x01(\x04\x12\x16\n\x0e\x66orward_passes\x18\x07 \x01(\x04*M\n\x0e\x41\x63\x63\x65ptanceRule\x12\x1f\n\x1b\x41\x43\x43\x45PTANCE_RULE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x43OUPLED\x10\x01\x12\r\n\tREJECTION\x10\x02\x32\xd8\x02\n\x0c\x44raftService\x12\x39\n\x07GetInfo\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12>\n\x07Propose\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse\x12H\n\rProposeStream\x12\x18.specdec.v1.DraftRequest\x1a\x19.specdec.v1.DraftResponse(\x01\x30\x01\x12\x43\n\x0c\x43loseSession\x12\x18.specdec.v1.CloseRequest\x1a\x19.specdec.v1.CloseResponse\x12>\n\x08GetStats\x12\x18.specdec.v1.StatsRequest\x1a\x18.specdec.v1.ServiceStats2\xdb\x02\n\rTargetService\x12\x39\n\x07GetInfo\x12\x17.specdec.v1.InfoRequest\x1a\x15.specdec.v1.ModelInfo\x12?\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse\x12I\n\x0cVerifyStream\x12\x19.specdec.v1.VerifyRequest\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12\x43\n\x0c\x43loseSession\x12\x18.specdec.v1.CloseRequest\x1a\x19.specdec.v1.CloseResponse\x12>\n\x08GetStats\x12\x18.specdec.v1.StatsRequest\x1a\x18.specdec.v1.ServiceStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,44 +33,46 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_ACCEPTANCERULE']._serialized_start=2119
-  _globals['_ACCEPTANCERULE']._serialized_end=2196
+  _globals['_ACCEPTANCERULE']._serialized_start=2340
+  _globals['_ACCEPTANCERULE']._serialized_end=2417
   _globals['_SAMPLINGPARAMS']._serialized_start=43
   _globals['_SAMPLINGPARAMS']._serialized_end=397
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=349
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=397
   _globals['_SPARSEDIST']._serialized_start=399
   _globals['_SPARSEDIST']._serialized_end=439
-  _globals['_SESSIONREF']._serialized_start=441
-  _globals['_SESSIONREF']._serialized_end=514
-  _globals['_DRAFTREQUEST']._serialized_start=517
-  _globals['_DRAFTREQUEST']._serialized_end=707
-  _globals['_BRANCHSPEC']._serialized_start=709
-  _globals['_BRANCHSPEC']._serialized_end=770
-  _globals['_BRANCHBLOCK']._serialized_start=772
-  _globals['_BRANCHBLOCK']._serialized_end=834
-  _globals['_DRAFTRESPONSE']._serialized_start=837
-  _globals['_DRAFTRESPONSE']._serialized_end=989
-  _globals['_VERIFYREQUEST']._serialized_start=992
-  _globals['_VERIFYREQUEST']._serialized_end=1299
-  _globals['_TOKENLOGPROBS']._serialized_start=1301
-  _globals['_TOKENLOGPROBS']._serialized_end=1372
-  _globals['_VERIFYRESPONSE']._serialized_start=1375
-  _globals['_VERIFYRESPONSE']._serialized_end=1662
-  _globals['_CLOSEREQUEST']._serialized_start=1664
-  _globals['_CLOSEREQUEST']._serialized_end=1698
-  _globals['_CLOSERESPONSE']._serialized_start=1700
-  _globals['_CLOSERESPONSE']._serialized_end=1733
-  _globals['_INFOREQUEST']._serialized_start=1735
-  _globals['_INFOREQUEST']._serialized_end=1748
-  _globals['_MODELINFO']._serialized_start=1751
-  _globals['_MODELINFO']._serialized_end=1941
-  _globals['_STATSREQUEST']._serialized_start=1943
-  _globals['_STATSREQUEST']._serialized_end=1957
-  _globals['_SERVICESTATS']._serialized_start=1960
-  _globals['_SERVICESTATS']._serialized_end=2117
-  _globals['_DRAFTSERVICE']._serialized_start=2199
-  _globals['_DRAFTSERVICE']._serialized_end=2543
-  _globals['_TARGETSERVICE']._serialized_start=2546
-  _globals['_TARGETSERVICE']._serialized_end=2893
+  _globals['_FEATURES']._serialized_start=441
+  _globals['_FEATURES']._serialized_end=493
+  _globals['_SESSIONREF']._serialized_start=495
+  _globals['_SESSIONREF']._serialized_end=568
+  _globals['_DRAFTREQUEST']._serialized_start=571
+  _globals['_DRAFTREQUEST']._serialized_end=801
+  _globals['_BRANCHSPEC']._serialized_start=803
+  _globals['_BRANCHSPEC']._serialized_end=864
+  _globals['_BRANCHBLOCK']._serialized_start=866
+  _globals['_BRANCHBLOCK']._serialized_end=928
+  _globals['_DRAFTRESPONSE']._serialized_start=931
+  _globals['_DRAFTRESPONSE']._serialized_end=1083
+  _globals['_VERIFYREQUEST']._serialized_start=1086
+  _globals['_VERIFYREQUEST']._serialized_end=1441
+  _globals['_TOKENLOGPROBS']._serialized_start=1443
+  _globals['_TOKENLOGPROBS']._serialized_end=1514
+  _globals['_VERIFYRESPONSE']._serialized_start=1517
+  _globals['_VERIFYRESPONSE']._serialized_end=1844
+  _globals['_CLOSEREQUEST']._serialized_start=1846
+  _globals['_CLOSEREQUEST']._serialized_end=1880
+  _globals['_CLOSERESPONSE']._serialized_start=1882
+  _globals['_CLOSERESPONSE']._serialized_end=1915
+  _globals['_INFOREQUEST']._serialized_start=1917
+  _globals['_INFOREQUEST']._serialized_end=1930
+  _globals['_MODELINFO']._serialized_start=1933
+  _globals['_MODELINFO']._serialized_end=2162
+  _globals['_STATSREQUEST']._serialized_start=2164
+  _globals['_STATSREQUEST']._serialized_end=2178
+  _globals['_SERVICESTATS']._serialized_start=2181
+  _globals['_SERVICESTATS']._serialized_end=2338
+  _globals['_DRAFTSERVICE']._serialized_start=2420
+  _globals['_DRAFTSERVICE']._serialized_end=2764
+  _globals['_TARGETSERVICE']._serialized_start=2767
+  _globals['_TARGETSERVICE']._serialized_end=3114
 # @@protoc_insertion_point(module_scope)

@@ -57,6 +57,16 @@ class SparseDist(_message.Message):
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class Features(_message.Message):
+    __slots__ = ("start", "dim", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    dim: int
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., dim: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class SessionRef(_message.Message):
     __slots__ = ("session_id", "prefix_len", "prefix_hash")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -68,20 +78,22 @@ class SessionRef(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prefix_len: _Optional[int] = ..., prefix_hash: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("session", "tokens", "k", "sampling", "request_id", "branches")
+    __slots__ = ("session", "tokens", "k", "sampling", "request_id", "branches", "features")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     tokens: _containers.RepeatedScalarFieldContainer[int]
     k: int
     sampling: SamplingParams
     request_id: str
     branches: BranchSpec
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., branches: _Optional[_Union[BranchSpec, _Mapping]] = ...) -> None: ...
+    features: Features
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., branches: _Optional[_Union[BranchSpec, _Mapping]] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class BranchSpec(_message.Message):
     __slots__ = ("block_len", "width", "depth")
@@ -118,7 +130,7 @@ class DraftResponse(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., branches: _Optional[_Iterable[_Union[BranchBlock, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("session", "tokens", "draft_tokens", "draft_dists", "sampling", "request_id", "logprobs", "top_logprobs", "prompt_logprobs", "decode_on", "stop_ids")
+    __slots__ = ("session", "tokens", "draft_tokens", "draft_dists", "sampling", "request_id", "logprobs", "top_logprobs", "prompt_logprobs", "decode_on", "stop_ids", "return_features", "features_from")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +142,8 @@ class VerifyRequest(_message.Message):
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DECODE_ON_FIELD_NUMBER: _ClassVar[int]
     STOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
     session: SessionRef
     tokens: _containers.RepeatedScalarFieldContainer[int]
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -141,7 +155,9 @@ class VerifyRequest(_message.Message):
     prompt_logprobs: bool
     decode_on: int
     stop_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., decode_on: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    return_features: bool
+    features_from: int
+    def __init__(self, session: _Optional[_Union[SessionRef, _Mapping]] = ..., tokens: _Optional[_Iterable[int]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., draft_dists: _Optional[_Iterable[_Union[SparseDist, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., decode_on: _Optional[int] = ..., stop_ids: _Optional[_Iterable[int]] = ..., return_features: _Optional[bool] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")
@@ -154,7 +170,7 @@ class TokenLogprobs(_message.Message):
     def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("num_accepted", "next_token", "cache_len", "compute_ms", "batch_size", "logprobs", "prompt_logprobs", "pass_tokens", "queued_ms", "decoded", "passes")
+    __slots__ = ("num_accepted", "next_token", "cache_len", "compute_ms", "batch_size", "logprobs", "prompt_logprobs", "pass_tokens", "queued_ms", "decoded", "passes", "features")
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHE_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +182,7 @@ class VerifyResponse(_message.Message):
     QUEUED_MS_FIELD_NUMBER: _ClassVar[int]
     DECODED_FIELD_NUMBER: _ClassVar[int]
     PASSES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     num_accepted: int
     next_token: int
     cache_len: int
@@ -177,7 +194,8 @@ class VerifyResponse(_message.Message):
     queued_ms: float
     decoded: _containers.RepeatedScalarFieldContainer[int]
     passes: int
-    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pass_tokens: _Optional[int] = ..., queued_ms: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., passes: _Optional[int] = ...) -> None: ...
+    features: Features
+    def __init__(self, num_accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cache_len: _Optional[int] = ..., compute_ms: _Optional[float] = ..., batch_size: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., pass_tokens: _Optional[int] = ..., queued_ms: _Optional[float] = ..., decoded: _Optional[_Iterable[int]] = ..., passes: _Optional[int] = ..., features: _Optional[_Union[Features, _Mapping]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -196,7 +214,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "role", "tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_ids", "forward_ms", "drafter", "numerics")
+    __slots__ = ("model", "role", "tokenizer_fingerprint", "vocab_size", "max_context", "eos_token_ids", "forward_ms", "drafter", "numerics", "features", "feature_dim")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +224,8 @@ class ModelInfo(_message.Message):
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     NUMERICS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_DIM_FIELD_NUMBER: _ClassVar[int]
     model: str
     role: str
     tokenizer_fingerprint: str
@@ -215,7 +235,9 @@ class ModelInfo(_message.Message):
     forward_ms: _containers.RepeatedScalarFieldContainer[float]
     drafter: str
     numerics: str
-    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., forward_ms: _Optional[_Iterable[float]] = ..., drafter: _Optional[str] = ..., numerics: _Optional[str] = ...) -> None: ...
+    features: bool
+    feature_dim: int
+    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., forward_ms: _Optional[_Iterable[float]] = ..., drafter: _Optional[str] = ..., numerics: _Optional[str] = ..., features: _Optional[bool] = ..., feature_dim: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specdec.models import draft_model
 from specdec.models.draft_model import LAYER_PARAMS, target_weights
 from specdec.serving.arch import ArchConfig, rope_inv_freq
 
@@ -258,3 +259,32 @@ def init_from_target(recipe: FeatureRecipe, vocab_map: torch.Tensor, feature_sca
                 draft.params[name].copy_(weights[f"layers.{src}.{name}"])
     draft.params["head"].requires_grad_(not recipe.freeze_head)
     return draft
+
+
+# -- specdec's draft format -------------------------------------------------------------------
+
+
+def save_draft(path, draft: FeatureDraft, target: str, card: dict) -> None:
+    """Write ``draft`` as a specdec draft directory (``draft_model.save``, kind "feature"):
+    its matrices int8 per row, the embedding left to the target."""
+    weights = dict(draft.params.items())
+    weights.update({"fc.weight": draft.fc.weight, "fc.bias": draft.fc.bias,
+                    "feature_scale": draft.feature_scale})
+    draft_model.save(path, draft.arch, weights, draft.vocab_map, target, card,
+                     meta_extra={"kind": draft_model.FEATURE, "feature_out": draft.feature_out})
+
+
+def load_draft(path) -> FeatureDraft:
+    """A feature draft directory (``save_draft``) as the module, its weights as stored."""
+    meta, weights = draft_model.load_weights(path)
+    if meta.get("kind") != draft_model.FEATURE:
+        raise ValueError(f"{path}: not a feature draft (kind {meta.get('kind')!r})")
+    draft = FeatureDraft(ArchConfig(**meta["arch"]), weights.pop("embed").float(),
+                         weights.pop("vocab_map").long(), float(weights.pop("feature_scale")),
+                         meta.get("feature_out", "norm"))
+    with torch.no_grad():
+        draft.fc.weight.copy_(weights.pop("fc.weight"))
+        draft.fc.bias.copy_(weights.pop("fc.bias"))
+        for name, value in weights.items():
+            draft.params[name].copy_(value)
+    return draft.eval()

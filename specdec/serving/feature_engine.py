@@ -1,0 +1,217 @@
+"""A feature-conditioned draft (EAGLE-style, ``specdec.models.feature_model``) served like any
+draft model: the scheduler, ``DraftWork`` and ``BranchWork`` drive it through the engine calls
+they make of a ``LlamaEngine`` (``new_cache``, ``forward``, ``token_ids``, ...), and each
+session's cache also holds the target's features the orchestrator sent (DraftRequest.features).
+
+Rows. The draft's row for token position t reads (the target's feature of position t - 1,
+token t) and gives the logits of token t + 1 and its own prediction of the feature of
+position t. A session's rows start just after its first feature (position s: the prompt's
+last, so row s + 1 is the first answer token's, as the draft was trained). A row whose feature
+the target has not sent reads the previous row's prediction instead (the block in flight,
+drafted tokens, the speculation cache's branches), or zeros for a first row before any feature
+came (the first round's draft calls). Such rows are provisional: once the target's feature for
+one of them arrives they are computed again from there, so what the draft has seen of the
+accepted tokens is always the target's. Rows are computed when logits are asked for, the
+leading ones whose features are known in one step, the others one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from specdec.models.feature_model import DraftCache, FeatureDraft
+from specdec.serving.engine import LlamaEngine
+from specdec.serving.kernels import timed
+from specdec.serving.session import PrefixMismatch
+
+
+def wire_features(msg, tokens_end: int) -> tuple[int, torch.Tensor] | None:
+    """A Features message as (start, [rows, dim] float32), None when empty; ValueError names
+    what is wrong. ``tokens_end``: the request's sequence length (prefix + tokens); a feature
+    predicts the token after it, so rows reach at most position tokens_end - 2."""
+    if not msg.data:
+        return None
+    dim = int(msg.dim)
+    if dim <= 0 or len(msg.data) % (2 * dim):
+        raise ValueError(f"features: data must hold rows of dim = {dim} float16 values "
+                         f"({len(msg.data)} bytes)")
+    rows = len(msg.data) // (2 * dim)
+    start = int(msg.start)
+    if start + rows > tokens_end - 1:
+        raise ValueError(f"features: rows of positions {start}..{start + rows - 1} reach past "
+                         f"the request's tokens (a feature predicts the token after it: at "
+                         f"most position {tokens_end - 2})")
+    values = np.frombuffer(msg.data, dtype="<f2").reshape(rows, dim).astype(np.float32)
+    if not np.isfinite(values).all():
+        raise ValueError("features: values must be finite")
+    return start, torch.from_numpy(values)
+
+
+@dataclasses.dataclass
+class FeatureCache:
+    """One session's state in a feature draft: its tokens, the target's features it was sent,
+    and the draft's rows (keys and values, each row's predicted feature)."""
+
+    hidden: int
+    device: torch.device = torch.device("cpu")
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    feat_start: int | None = None  # position of the first feature sent
+    feats: torch.Tensor | None = None  # [n, hidden]: features of positions feat_start..
+    rows: DraftCache = dataclasses.field(default_factory=DraftCache)
+    row_start: int = 0  # token position of row 0
+    true_rows: int = 0  # leading rows that read the target's features
+    preds: torch.Tensor | None = None  # [rows, hidden]: each row's predicted feature
+
+    def __post_init__(self) -> None:
+        if self.feats is None:
+            self.feats = torch.empty(0, self.hidden, device=self.device)
+        if self.preds is None:
+            self.preds = torch.empty(0, self.hidden, device=self.device)
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def feat_end(self) -> int:
+        """Features are known for positions feat_start .. feat_end - 1."""
+        return 0 if self.feat_start is None else self.feat_start + self.feats.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        kv = 0 if self.rows.k is None else \
+            (self.rows.k.numel() + self.rows.v.numel()) * self.rows.k.element_size()
+        return kv + (self.feats.numel() + self.preds.numel()) * 4
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` tokens, the features and rows they determine."""
+        del self.tokens[length:]
+        if self.feat_start is not None:
+            self.feats = self.feats[: max(0, length - self.feat_start)]
+        self.cut_rows(max(0, min(self.rows.length, length - self.row_start)))
+
+    def cut_rows(self, n: int) -> None:
+        self.rows.truncate(n)
+        self.preds = self.preds[:n]
+        self.true_rows = min(self.true_rows, n)
+
+    def fork(self, length: int) -> "FeatureCache":
+        """An independent cache of the first ``length`` tokens (rows grow by concatenation,
+        so the two share nothing they would write)."""
+        copy = dataclasses.replace(self, tokens=list(self.tokens),
+                                   rows=DraftCache(self.rows.k, self.rows.v))
+        copy.truncate(length)
+        return copy
+
+    def add_features(self, start: int, feats: torch.Tensor) -> None:
+        """Features of positions start.. (rows [n, hidden]); they continue (or overlap) the
+        ones held, else PrefixMismatch (the orchestrator then re-sends the session)."""
+        if feats.shape[1] != self.hidden:
+            raise ValueError(f"features: this draft reads features of dim {self.hidden}, got "
+                             f"{feats.shape[1]} (a draft made for another target?)")
+        feats = feats.to(self.device)
+        if self.feat_start is None:
+            self.feat_start, self.feats = start, feats
+            return
+        if not self.feat_start <= start <= self.feat_end:
+            raise PrefixMismatch(f"features from position {start}: the draft holds features "
+                                 f"of positions {self.feat_start}..{self.feat_end - 1}")
+        self.feats = torch.cat([self.feats[: start - self.feat_start], feats])
+        # rows that read a feature at start or later were computed before it came (again)
+        self.true_rows = min(self.true_rows, max(0, start + 1 - self.row_start))
+
+
+class FeatureEngine:
+    """A FeatureDraft behind the engine interface the draft's works use."""
+
+    numerics = "float"
+    reads_features = True
+    pool = None  # contiguous per-session rows: the scheduler takes every piece
+
+    def __init__(self, model: FeatureDraft, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.arch = model.arch
+        self.hidden = model.arch.hidden_size
+        self.vocab_map = model.vocab_map
+        self.vocab_in = model.embed.shape[0]
+        self.vocab_out = len(model.vocab_map)
+
+    token_ids = LlamaEngine.token_ids
+    full_vocab_logits = LlamaEngine.full_vocab_logits
+
+    def new_cache(self) -> FeatureCache:
+        return FeatureCache(self.hidden, self.device)
+
+    def reserve_kv(self, cap_bytes: int) -> None:
+        return None  # no pool: each session's rows grow by themselves
+
+    @torch.inference_mode()
+    def forward(self, caches, tokens, num_logits) -> list[torch.Tensor]:
+        """Append each session's tokens; its logits [num_logits[i], vocab_out] for its last
+        positions (zeros for a position before the session's first row)."""
+        return [self._session(c, t.tolist(), n) for c, t, n in zip(caches, tokens, num_logits)]
+
+    def forward_features(self, caches, tokens, num_logits, num_features=None):
+        raise ValueError("a feature draft has no features to give")
+
+    def _session(self, cache: FeatureCache, tokens: list[int], num_logits: int) -> torch.Tensor:
+        cache.tokens += tokens
+        out = torch.zeros(num_logits, self.vocab_out, device=self.device)
+        if num_logits == 0:
+            return out
+        length = cache.length
+        if cache.feat_start is not None and cache.row_start != cache.feat_start + 1:
+            cache.cut_rows(0)  # features came: rows start where the draft learnt them
+            cache.row_start = cache.feat_start + 1
+        elif cache.feat_start is None and cache.rows.length == 0:
+            cache.row_start = max(0, length - num_logits)  # rows only where logits are asked
+        # a provisional row whose feature the target has sent since is computed again
+        # (row i reads the feature of position row_start + i - 1)
+        if cache.feat_start is not None and cache.true_rows < cache.rows.length and \
+                cache.row_start + cache.true_rows - 1 < cache.feat_end:
+            cache.cut_rows(cache.true_rows)
+        first = cache.row_start + cache.rows.length  # token position of the next row
+        computed = []
+        if cache.feat_start is not None and cache.true_rows == cache.rows.length:
+            known = max(0, min(length, cache.feat_end + 1) - first)  # rows with features
+            if known:
+                at = first - 1 - cache.feat_start
+                computed.append(self._rows(cache, cache.feats[at:at + known], first, known))
+                cache.true_rows += known
+                first += known
+        for t in range(first, length):  # the rest read the draft's own prediction
+            feat = cache.preds[-1:] if cache.preds.shape[0] else \
+                torch.zeros(1, self.hidden, device=self.device)
+            computed.append(self._rows(cache, feat, t, 1))
+        logits = torch.cat(computed) if computed else out[:0]
+        take = min(num_logits, logits.shape[0])
+        if take:
+            out[num_logits - take:] = logits[logits.shape[0] - take:]
+        return out
+
+    def _rows(self, cache: FeatureCache, feats: torch.Tensor, first: int, n: int
+              ) -> torch.Tensor:
+        toks = torch.tensor(cache.tokens[first:first + n], dtype=torch.long, device=self.device)
+        logits, preds = self.model.step(cache.rows, feats.to(self.device), toks)
+        cache.preds = torch.cat([cache.preds, preds.float()])
+        return logits
+
+    def forward_timer(self, context: int = 128, max_rows: int = 16):
+        """ms(rows) of one step over ``rows`` new rows after ``context`` rows of features (the
+        cache cut back to the context before each probe), as start-up calibration asks."""
+        cache = self.new_cache()
+        tokens = (torch.arange(context + max_rows + 1) % self.vocab_in).tolist()
+        cache.add_features(0, torch.zeros(context + max_rows, self.hidden))
+        self._session(cache, tokens[:context + 1], 1)
+
+        def probe(rows: int) -> float:
+            cache.truncate(context + 1)  # (and the features with it: those of the probe again)
+            cache.add_features(context, torch.zeros(max_rows + 1, self.hidden))
+            return timed(lambda: self._session(cache, tokens[context + 1:context + 1 + rows],
+                                               rows))
+
+        return probe
