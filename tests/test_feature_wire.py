@@ -301,3 +301,79 @@ def test_pair_refuses_a_feature_draft_of_another_width(fservices):
     with pytest.raises(FeatureMismatch, match="width 576"):
         check_pair(target, pb.ModelInfo(model="d", tokenizer_fingerprint="x", features=True,
                                         feature_dim=576))
+
+
+# -- the real pair ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_feature_pair(tmp_path_factory):
+    """The default target's service and a feature draft trained (a few steps) on its own
+    answers with features and exported through the CLI: what a user serves after
+    ``python -m specdec.distill.feature_draft train`` and ``export``."""
+    from specdec.distill import feature_draft as fd
+    from specdec.distill.cli import _engine_and_tokenizer
+    from specdec.distill.data import load_shards, write_shards
+    from specdec.distill.prompts import held_out_set
+
+    root = tmp_path_factory.mktemp("real-fdraft")
+    engine, tokenizer, eos = _engine_and_tokenizer("default")
+    shards = write_shards(engine, tokenizer, held_out_set("handwritten", 4), root / "data", eos,
+                          max_new_tokens=24, batch_size=4, temperatures=(0.0,),
+                          prompts_per_shard=4, features=True)
+    assert all("features" in r for r in load_shards(shards))
+    del engine
+    fd.main(["train", "--data", str(root / "data"), "--out", str(root / "run"), "--steps", "2",
+             "--batch", "2", "--warmup", "1"])
+    fd.main(["export", "--out", str(root / "run"), "--draft-out", str(root / "draft")])
+    services = {"target": ServiceThread("target", "default"),
+                "fdraft": ServiceThread("draft", str(root / "draft"))}
+    yield services, root
+    for s in services.values():
+        s.stop()
+
+
+@pytest.mark.real
+def test_real_pair_serves_the_trained_feature_draft(real_feature_pair):
+    """The exported draft is the trained one; served beside the default target (integer
+    numerics: a row is the same number in any pass) the draft holds the target's features
+    bit for bit, and greedy and coupled text is target-only's in spec and pipelined mode."""
+    from specdec.distill import feature_draft as fd
+    from specdec.models.hub import load_tokenizer
+    from specdec.models.loading import load_engine
+    from specdec.models.tokenizer import encode_prompt
+
+    services, root = real_feature_pair
+    trained, *_ = fd.trained(root / "run")
+    served = services["fdraft"].runtime.engine.model
+    for name, p in trained.params.items():  # int8 rows: within ~half a step (fp16 scales)
+        step = p.detach().abs().amax(dim=-1, keepdim=True) / 127 if p.dim() == 2 else 1e-3 * p.abs().max()
+        assert ((served.params[name] - p).abs() <= step * 0.6 + 1e-6).all(), name
+    info = services["fdraft"].runtime.info
+    assert info.features and info.feature_dim == 576
+
+    tok = load_tokenizer("default")
+    prompt = encode_prompt(tok, "Name three rivers in Europe and say where each one ends.",
+                           None)
+    seen = {}
+
+    async def look(n):
+        if n == 10:
+            s = _draft_session(services["fdraft"])
+            seen.update(tokens=list(s.cache.tokens), start=s.cache.feat_start,
+                        feats=s.cache.feats.clone())
+
+    for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=11)):
+        ref = asyncio.run(generate_on(services, None, prompt, "target-only", 0, max_new=32,
+                                      sampling=sampling))
+        for mode in ("spec", "pipelined"):
+            got = asyncio.run(generate_on(services, "fdraft", prompt, mode, 2, max_new=32,
+                                          sampling=sampling, hook=look))
+            assert got.token_ids == ref.token_ids, (mode, sampling)
+            assert got.stats.draft_failures == 0 and got.stats.num_drafts > 0
+    engine, _, _ = load_engine("default", torch.device("cpu"))
+    tokens = seen["tokens"]
+    _, ref = engine.forward_features([engine.new_cache()], [torch.tensor(tokens)], [len(tokens)])
+    n = seen["feats"].shape[0]
+    assert seen["start"] == len(prompt) - 1 and n >= 5
+    assert torch.equal(seen["feats"], ref[0][seen["start"]:seen["start"] + n].half().float())

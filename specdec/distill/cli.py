@@ -87,18 +87,20 @@ def _engine_and_tokenizer(target: str):
 
 def held_out_records(target: str, work: pathlib.Path, n_prompts: int, max_new: int,
                      engine=None, tokenizer=None, eos=None, held_out: str = "templated",
-                     ) -> list[dict]:
+                     features: bool = False) -> list[dict]:
     """The target's greedy answers to a held-out set's prompts (cached in WORK/heldout for the
-    templated set, WORK/heldout-NAME for the others)."""
+    templated set, WORK/heldout-NAME for the others; with the target's ``features``, for a
+    feature draft, in WORK/heldout-NAME-features)."""
     from specdec.distill.data import load_shards, write_shards
     from specdec.distill.prompts import held_out_set
 
     if engine is None:
         engine, tokenizer, eos = _engine_and_tokenizer(target)
-    cache = work / ("heldout" if held_out == "templated" else f"heldout-{held_out}")
+    cache = work / ("heldout" if held_out == "templated" and not features else
+                    f"heldout-{held_out}" + ("-features" if features else ""))
     shards = write_shards(engine, tokenizer, held_out_set(held_out, n_prompts),
                           cache, eos, max_new_tokens=max_new, batch_size=48,
-                          temperatures=(0.0,), prompts_per_shard=n_prompts)
+                          temperatures=(0.0,), prompts_per_shard=n_prompts, features=features)
     return load_shards(shards)
 
 

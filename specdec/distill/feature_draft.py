@@ -33,10 +33,13 @@ agreement counts are those of greedy drafting, since a chain only counts while i
 
 CLI (CPU; see ``python -m specdec.distill.feature_draft --help``)::
 
+    python -m specdec.distill.feature_draft heldout --out runs/eagle     # held-out answers
     python -m specdec.distill.feature_draft train --data runs/eagle/data --out runs/eagle/f1 \
-        --steps 1500 --heldout runs/eagle/heldout-templated
+        --steps 1500 --heldout runs/eagle/heldout-templated-features
     python -m specdec.distill.feature_draft eval --out runs/eagle/f1 \
-        --heldout runs/eagle/heldout-templated runs/eagle/heldout-handwritten
+        --heldout runs/eagle/heldout-templated-features runs/eagle/heldout-handwritten-features
+    python -m specdec.distill.feature_draft export --out runs/eagle/f1 --draft-out DIR
+    specdec serve-draft --model DIR     # (or specdec serve --draft DIR)
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specdec.models.feature_model import FeatureDraft, FeatureRecipe, init_from_target
+from specdec.models.feature_model import FeatureDraft, FeatureRecipe, init_from_target, save_draft
 from specdec.distill.train import (build_vocab, lr_at, save_checkpoint, simulate_tokens_per_round,
                                    soft_target_loss)
 
@@ -351,6 +354,16 @@ def _build(recipe: FeatureRecipe, records: list[dict], out: pathlib.Path):
     return draft, vocab_map, model.config.vocab_size
 
 
+def trained(out: pathlib.Path) -> tuple[FeatureDraft, FeatureRecipe, torch.Tensor, int]:
+    """(draft, recipe, vocab_map, target vocabulary size) of a run's checkpoint."""
+    state = torch.load(out / "train.ckpt", weights_only=False)
+    known = {f.name for f in dataclasses.fields(FeatureRecipe)}
+    recipe = FeatureRecipe(**{k: v for k, v in state["recipe"].items() if k in known})
+    draft, vocab_map, vsize = _build(recipe, [], out)
+    draft.load_state_dict(state["model"])
+    return draft.eval(), recipe, vocab_map, vsize
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m specdec.distill.feature_draft")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -370,6 +383,17 @@ def main(argv=None) -> None:
         else:
             typ = {"int": int, "float": float}.get(f.type, type(f.default))
             tr.add_argument("--" + f.name.replace("_", "-"), type=typ, default=f.default)
+    hd = sub.add_parser("heldout", help="the held-out sets' target answers with features "
+                                        "(OUT/heldout-NAME-features, for --heldout)")
+    hd.add_argument("--out", required=True)
+    hd.add_argument("--sets", nargs="+", default=["templated", "handwritten"])
+    hd.add_argument("--prompts", type=int, default=48)
+    hd.add_argument("--threads", type=int, default=1)
+    ex = sub.add_parser("export", help="write a trained run's draft as a specdec draft "
+                                       "directory (serve it: specdec serve-draft --model DIR)")
+    ex.add_argument("--out", required=True)
+    ex.add_argument("--draft-out", required=True)
+    ex.add_argument("--threads", type=int, default=1)
     ev = sub.add_parser("eval", help="evaluate a trained draft on held-out sets")
     ev.add_argument("--out", required=True)
     ev.add_argument("--heldout", nargs="+", required=True)
@@ -381,12 +405,22 @@ def main(argv=None) -> None:
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    if args.cmd == "heldout":
+        from specdec.distill.cli import held_out_records
+
+        for name in args.sets:
+            held_out_records("default", out, args.prompts, 192, held_out=name, features=True)
+        return
+    if args.cmd in ("eval", "export"):
+        draft, recipe, vocab_map, vsize = trained(out)
+    if args.cmd == "export":
+        figures = out / "figures.json"
+        card = {"recipe": dataclasses.asdict(recipe), "trained_in": str(out),
+                **({"figures": json.loads(figures.read_text())} if figures.exists() else {})}
+        save_draft(args.draft_out, draft, recipe.target, card)
+        print(f"feature draft written to {args.draft_out}")
+        return
     if args.cmd == "eval":
-        state = torch.load(out / "train.ckpt", weights_only=False)
-        known = {f.name for f in dataclasses.fields(FeatureRecipe)}
-        recipe = FeatureRecipe(**{k: v for k, v in state["recipe"].items() if k in known})
-        draft, vocab_map, vsize = _build(recipe, [], out)
-        draft.load_state_dict(state["model"])
         res = {name: evaluate(draft, ex, args.k_max)
                for name, ex in _held_out(args.heldout, vocab_map, vsize).items()}
         print(json.dumps(res, indent=1))
