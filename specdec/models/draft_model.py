@@ -100,7 +100,7 @@ def stored_codes(tensors: dict[str, torch.Tensor]) -> dict[str, GroupedCodes]:
     return codes
 
 
-def _load_stored(path) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_stored(path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, the tensors as stored: int8 matrices with their scales)."""
     from safetensors.torch import load_file
 
@@ -116,7 +116,7 @@ def _weights(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
 
 def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, float32-exact weights by canonical name)."""
-    meta, tensors = _load_stored(path)
+    meta, tensors = load_stored(path)
     return meta, _weights(meta, tensors)
 
 
@@ -126,7 +126,7 @@ def load_engine(path, device, kernels: str = "auto", quantize: str | None = None
     stored int8 matrices as they are (``stored_codes``)."""
     from specdec.models.hub import load_tokenizer
 
-    meta, tensors = _load_stored(path)
+    meta, tensors = load_stored(path)
     weights = _weights(meta, tensors)
     arch = ArchConfig(**meta["arch"])
     vocab_map = weights.pop("vocab_map").long()

@@ -129,11 +129,11 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
     from specdec.models import draft_model
 
     if draft_model.is_feature_draft(spec):  # reads the target's features (EAGLE-style)
-        from specdec.models import feature_model
         from specdec.models.hub import load_tokenizer
         from specdec.serving.feature_engine import FeatureEngine
 
-        engine = FeatureEngine(feature_model.load_draft(spec), device)
+        engine = FeatureEngine.load(spec, device, config.kernels, config.numerics,
+                                    pick_dtype(config.dtype, device))
         tokenizer, hf_config = load_tokenizer(draft_model.read_meta(spec)["target"]), None
     else:
         engine, tokenizer, hf_config = load_engine(spec, device, config.kernels,

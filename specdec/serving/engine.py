@@ -343,15 +343,21 @@ class LlamaEngine(LayerOps):
         tokens: Sequence[torch.Tensor],
         num_logits: Sequence[int],
         num_features: Sequence[int] | None = None,
+        inputs: Sequence[torch.Tensor] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``forward``, and the final norm's output at each session's last ``num_features[i]``
         positions (default: ``num_logits[i]``, the rows the head read the logits from),
         [num_features[i], hidden]: the target's *feature* of a position, what a
-        feature-conditioned draft is given. The head reads only the last num_logits rows."""
+        feature-conditioned draft is given. The head reads only the last num_logits rows.
+        ``inputs``: each session's first layer's input rows [t_i, hidden] instead of its
+        tokens' embeddings (a feature draft's, ``specdec.serving.feature_engine``)."""
         p = self._layout(caches, tokens)
-        x = self.embed[p.flat]  # [N, hidden]
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        if inputs is not None:
+            x = torch.cat(list(inputs)).to(self.device, self.dtype)
+        else:
+            x = self.embed[p.flat]  # [N, hidden]
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
         if self.native is not None and self._whole_stack(x.shape[0]):
             self._native_layers(x, caches, p)
         elif self.native is not None:

@@ -22,7 +22,11 @@ import dataclasses
 import numpy as np
 import torch
 
-from specdec.models.feature_model import DraftCache, FeatureDraft
+import torch.nn.functional as F
+
+from specdec.config import DEFAULT_NUMERICS
+from specdec.models.draft_model import LAYER_PARAMS
+from specdec.models.feature_model import FeatureDraft
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.kernels import timed
 from specdec.serving.session import PrefixMismatch
@@ -60,7 +64,7 @@ class FeatureCache:
     tokens: list[int] = dataclasses.field(default_factory=list)
     feat_start: int | None = None  # position of the first feature sent
     feats: torch.Tensor | None = None  # [n, hidden]: features of positions feat_start..
-    rows: DraftCache = dataclasses.field(default_factory=DraftCache)
+    rows: object = None  # the stack's KV cache (KVCache / PooledCache): one position a row
     row_start: int = 0  # token position of row 0
     true_rows: int = 0  # leading rows that read the target's features
     preds: torch.Tensor | None = None  # [rows, hidden]: each row's predicted feature
@@ -82,9 +86,7 @@ class FeatureCache:
 
     @property
     def nbytes(self) -> int:
-        kv = 0 if self.rows.k is None else \
-            (self.rows.k.numel() + self.rows.v.numel()) * self.rows.k.element_size()
-        return kv + (self.feats.numel() + self.preds.numel()) * 4
+        return self.rows.nbytes + (self.feats.numel() + self.preds.numel()) * 4
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens, the features and rows they determine."""
@@ -99,10 +101,12 @@ class FeatureCache:
         self.true_rows = min(self.true_rows, n)
 
     def fork(self, length: int) -> "FeatureCache":
-        """An independent cache of the first ``length`` tokens (rows grow by concatenation,
-        so the two share nothing they would write)."""
+        """An independent cache of the first ``length`` tokens (the speculation cache's
+        branches): the rows they determine copied, features and predictions shared (never
+        written in place)."""
         copy = dataclasses.replace(self, tokens=list(self.tokens),
-                                   rows=DraftCache(self.rows.k, self.rows.v))
+                                   rows=self.rows.fork(max(0, min(self.rows.length,
+                                                                  length - self.row_start))))
         copy.truncate(length)
         return copy
 
@@ -125,29 +129,76 @@ class FeatureCache:
 
 
 class FeatureEngine:
-    """A FeatureDraft behind the engine interface the draft's works use."""
+    """A feature draft behind the engine interface the draft's works use.
 
-    numerics = "float"
+    Its layer, final norm and head run as a one-layer ``LlamaEngine`` (the ``stack``: the same
+    kernels, int8 codes and numerics as any specdec draft on this device, its keys and values
+    in the stack's caches), fed the fc's rows instead of token embeddings; the stack's
+    features (its final norm's output) are the draft's predicted features. The fc and the
+    scaled embedding lookup run in torch."""
+
     reads_features = True
-    pool = None  # contiguous per-session rows: the scheduler takes every piece
+    pool = None  # the scheduler admits every piece (the stack keeps its own caches)
 
-    def __init__(self, model: FeatureDraft, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
-        self.arch = model.arch
-        self.hidden = model.arch.hidden_size
-        self.vocab_map = model.vocab_map
-        self.vocab_in = model.embed.shape[0]
-        self.vocab_out = len(model.vocab_map)
+    def __init__(self, stack: LlamaEngine, fc_weight: torch.Tensor, fc_bias: torch.Tensor,
+                 feature_scale: float):
+        self.stack = stack
+        self.device = stack.device
+        self.arch = stack.arch
+        self.numerics = stack.numerics
+        self.hidden = stack.arch.hidden_size
+        self.vocab_map = stack.vocab_map
+        self.vocab_in = stack.vocab_in
+        self.vocab_out = stack.vocab_out
+        self.fc_weight = fc_weight.to(self.device, torch.float32)
+        self.fc_bias = fc_bias.to(self.device, torch.float32)
+        self.feature_scale = float(feature_scale)
+        self.embed_scale = float(stack.embed.float().pow(2).mean().sqrt())
+
+    @classmethod
+    def from_module(cls, draft: FeatureDraft, device="cpu", kernels: str = "auto",
+                    numerics: str = DEFAULT_NUMERICS, codes: dict | None = None,
+                    dtype: torch.dtype | None = None) -> "FeatureEngine":
+        """Serve ``draft`` (``codes``: its stored int8 matrices by their names in the module,
+        ``draft_model.stored_codes``; without them it computes float32)."""
+        if draft.feature_out != "norm":
+            raise ValueError("a served feature draft predicts the feature its head reads "
+                             "(feature_out 'norm'), not its residual")
+        weights = {"embed": draft.embed, "norm": draft.params["norm"],
+                   "head": draft.params["head"]}
+        weights.update({f"layers.0.{n}": draft.params[n] for n in LAYER_PARAMS})
+        weights = {k: v.detach().float() for k, v in weights.items()}
+        codes = {("layers.0." + k if k in LAYER_PARAMS else k): c
+                 for k, c in (codes or {}).items() if k != "fc.weight"}
+        stack = LlamaEngine(draft.arch, weights, device, kernels, vocab_map=draft.vocab_map,
+                            codes=codes, numerics=numerics, dtype=dtype)
+        return cls(stack, draft.fc.weight.detach(), draft.fc.bias.detach(),
+                   float(draft.feature_scale))
+
+    @classmethod
+    def load(cls, path, device="cpu", kernels: str = "auto", numerics: str = DEFAULT_NUMERICS,
+             dtype: torch.dtype | None = None) -> "FeatureEngine":
+        """A feature draft directory (``feature_model.save_draft``); on CPU in float32 its
+        stored int8 matrices stream as they are, as a plain draft's do."""
+        from specdec.models import draft_model, feature_model
+
+        codes = None
+        if torch.device(device).type == "cpu" and dtype in (None, torch.float32):
+            codes = draft_model.stored_codes(draft_model.load_stored(path)[1])
+        return cls.from_module(feature_model.load_draft(path), device, kernels, numerics, codes,
+                               dtype)
 
     token_ids = LlamaEngine.token_ids
     full_vocab_logits = LlamaEngine.full_vocab_logits
 
     def new_cache(self) -> FeatureCache:
-        return FeatureCache(self.hidden, self.device)
+        return FeatureCache(self.hidden, self.device, rows=self.stack.new_cache())
 
     def reserve_kv(self, cap_bytes: int) -> None:
-        return None  # no pool: each session's rows grow by themselves
+        """The stack's pool where it keeps one (torch's ops: sized by the service's cap);
+        the scheduler does not admit by it (None)."""
+        self.stack.reserve_kv(cap_bytes)
+        return None
 
     @torch.inference_mode()
     def forward(self, caches, tokens, num_logits) -> list[torch.Tensor]:
@@ -195,10 +246,15 @@ class FeatureEngine:
 
     def _rows(self, cache: FeatureCache, feats: torch.Tensor, first: int, n: int
               ) -> torch.Tensor:
+        """Rows for the tokens at first.. (n of them) reading ``feats`` [n, hidden]: the
+        fc's rows through the stack; their logits [n, vocab_out]."""
         toks = torch.tensor(cache.tokens[first:first + n], dtype=torch.long, device=self.device)
-        logits, preds = self.model.step(cache.rows, feats.to(self.device), toks)
-        cache.preds = torch.cat([cache.preds, preds.float()])
-        return logits
+        x = F.linear(torch.cat([feats.float() / self.feature_scale,
+                                self.stack.embed[toks].float() / self.embed_scale], -1),
+                     self.fc_weight, self.fc_bias)
+        logits, preds = self.stack.forward_features([cache.rows], [toks], [n], inputs=[x])
+        cache.preds = torch.cat([cache.preds, preds[0].float()])
+        return logits[0]
 
     def forward_timer(self, context: int = 128, max_rows: int = 16):
         """ms(rows) of one step over ``rows`` new rows after ``context`` rows of features (the
