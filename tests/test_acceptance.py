@@ -300,3 +300,62 @@ def test_the_device_noise_and_race_equal_the_cpu_reference():
         drafts = torch.tensor(rows[:2] + [rows[2] + 1, rows[3]])
         assert verify_walk(drafts.tolist(), coupled_choices(probs, trial, 70)) == \
             verify_coupled(drafts, probs, trial, 70) == (2, rows[2])
+
+
+@pytest.mark.parametrize("top", [None, 2])
+def test_a_coupled_verdict_on_the_device_is_one_read(top):
+    """The race's winners of every row and their logprobs come in one host read, the same
+    tokens as numpy's race (``verify_coupled``) and logprobs as ``emitted_logprobs``."""
+    from specdec.serving.acceptance import verify_coupled
+    from specdec.serving.sampling import coupled_race, process_logits
+    from specdec.serving.target import emitted_rows
+
+    gen = torch.Generator().manual_seed(4)
+    raw = torch.randn(4, 200, generator=gen) * 3
+    sampling = SamplingParams(temperature=0.9, seed=12)
+    probs = process_logits(raw, sampling)
+    want = [verify_coupled(torch.tensor([], dtype=torch.long), probs[i:i + 1], 12, 30 + i)[1]
+            for i in range(4)]  # each row's own coupled sample (numpy's race)
+    with HostReads() as reads:
+        choice, race = coupled_race(probs, 12, 30)
+        tokens, rows = emitted_rows(choice, raw, top, valid=race > 0)
+    assert len(reads.reads) == 1, reads.reads
+    assert tokens == want
+    assert verify_walk(want[:2] + [(want[2] + 1) % 200], tokens) == (2, want[2])
+    if top is not None:
+        ref = emitted_logprobs(raw, tokens, top)
+        assert [r[0] for r in rows] == pytest.approx([r[0] for r in ref], abs=1e-6)
+        assert [r[1] for r in rows] == [r[1] for r in ref]
+
+
+def test_the_device_verdict_path_serves_the_same_tokens_and_logprobs(tiny_services,
+                                                                     monkeypatch):
+    """A coupled verify with logprobs through the tiny target's service: the device path (one
+    read, ``DEVICE_VERDICT_ON_CPU``) answers exactly what numpy's race and a second read do,
+    for a block the target accepts in part."""
+    import grpc
+
+    from specdec.serving import target as target_mod
+    from specdec.wire import specdec_pb2 as pb
+    from specdec.wire import specdec_pb2_grpc as pb_grpc
+
+    sampling = SamplingParams(temperature=0.9, seed=5).to_wire(pb)
+    prompt = [1, 520, 3300, 12, 99, 7]
+    with grpc.insecure_channel(tiny_services["target"].address) as ch:
+        stub = pb_grpc.TargetServiceStub(ch)
+
+        def verify(sid, drafts):
+            return stub.Verify(pb.VerifyRequest(
+                session=pb.SessionRef(session_id=sid), tokens=prompt, draft_tokens=drafts,
+                sampling=sampling, logprobs=True, top_logprobs=3), timeout=30)
+
+        first = verify("own", []).next_token  # the target's own sample at the first position
+        answers = {}
+        for on_device in (False, True):
+            monkeypatch.setattr(target_mod, "DEVICE_VERDICT_ON_CPU", on_device)
+            answers[on_device] = verify(f"dev-{on_device}", [first, 17, 17])
+    off, on = answers[False], answers[True]
+    assert off.num_accepted >= 1 and (on.num_accepted, on.next_token) == \
+        (off.num_accepted, off.next_token)
+    assert [(e.logprob, list(e.top_ids)) for e in on.logprobs] == \
+        [(e.logprob, list(e.top_ids)) for e in off.logprobs]

@@ -12,6 +12,7 @@ from specdec.serving.engine import LlamaEngine
 from specdec.serving.grammar import Grammars, block_masks, mask_logits
 from specdec.serving.sampling import (
     bias_logits,
+    coupled_race,
     from_sparse,
     penalize,
     position_generator,
@@ -113,23 +114,42 @@ class VerifyResult:
     features: tuple[int, torch.Tensor] | None = None
 
 
+# A coupled verdict races on the device off the CPU only (numpy's race, row by row, is cheaper
+# there); tests set this to run the device's path on the CPU, where it must give the same.
+DEVICE_VERDICT_ON_CPU = False
+
+
 def greedy_rows(logits: torch.Tensor, raw: torch.Tensor, top: int | None):
-    """Everything a greedy verdict emits, fetched from the device in one copy: each row's
-    token (the argmax of ``logits`` [k + 1, vocab], after penalties, biases and grammar) and,
-    where ``top`` is not None, the token's log-probability under ``raw`` (the model's own
-    log-softmax) with ``raw``'s ``top`` alternatives, as ``emitted_logprobs`` gives them.
-    Returns (tokens, per-row logprobs or None). Ids travel as float64, exact below 2^53."""
-    choice = logits.argmax(-1)
-    if top is None:
-        return choice.tolist(), None
-    logp = torch.log_softmax(raw.float(), dim=-1)
-    parts = [choice[:, None].double(), logp.gather(1, choice[:, None]).double()]
-    if top:
-        values, ids = torch.topk(logp, top, dim=-1)
-        parts += [ids.double(), values.double()]
+    """Everything a greedy verdict emits, in one copy: each row's token is the argmax of
+    ``logits`` [k + 1, vocab] (after penalties, biases and grammar); see ``emitted_rows``."""
+    return emitted_rows(logits.argmax(-1), raw, top)
+
+
+def emitted_rows(choice: torch.Tensor, raw: torch.Tensor, top: int | None,
+                 valid: torch.Tensor | None = None):
+    """Everything a verdict emits, fetched from the device in one copy: each row's token
+    ``choice`` [k + 1] (on the device: the argmax, or the coupled race's winner) and, where
+    ``top`` is not None, its log-probability under ``raw`` (the model's own log-softmax) with
+    ``raw``'s ``top`` alternatives, as ``emitted_logprobs`` gives them. ``valid`` [k + 1]
+    (bool) must hold at every row (a race over an all-zero row is not a sample). Returns
+    (tokens, per-row logprobs or None). Ids travel as float64, exact below 2^53."""
+    parts = [choice[:, None].double()]
+    if valid is not None:
+        parts.append(valid[:, None].double())
+    if top is not None:
+        logp = torch.log_softmax(raw.float(), dim=-1)
+        parts.append(logp.gather(1, choice[:, None]).double())
+        if top:
+            values, ids = torch.topk(logp, top, dim=-1)
+            parts += [ids.double(), values.double()]
     rows = torch.cat(parts, 1).tolist()
-    return [int(r[0]) for r in rows], [(r[1], [int(i) for i in r[2:2 + top]], r[2 + top:])
-                                       for r in rows]
+    if valid is not None:
+        assert all(r[1] for r in rows), "cannot sample from an all-zero distribution"
+        rows = [r[:1] + r[2:] for r in rows]
+    tokens = [int(r[0]) for r in rows]
+    if top is None:
+        return tokens, None
+    return tokens, [(r[1], [int(i) for i in r[2:2 + top]], r[2 + top:]) for r in rows]
 
 
 def emitted_logprobs(logits: torch.Tensor, tokens: list[int], top: int):
@@ -266,13 +286,20 @@ class VerifyWork(Work):
         grammar = self.grammar
         if grammar is not None:  # row j: the grammar after the committed tokens and d_1..d_j
             logits = mask_logits(logits, block_masks(grammar, committed, c.draft_tokens))
-        rows = None  # a greedy verdict's logprobs, fetched with its tokens
+        rows = None  # the logprobs fetched with the tokens (greedy; coupled on the device)
         if c.sampling.greedy:
             targets, rows = greedy_rows(logits, raw, c.logprobs)
             num_accepted, next_token = verify_walk(c.draft_tokens, targets)
         elif c.sampling.rule == "coupled":
             target_probs = process_logits(logits, c.sampling)  # [k + 1, vocab]
-            num_accepted, next_token = verify_coupled(drafts, target_probs, c.sampling.seed, first)
+            if logits.device.type != "cpu" or DEVICE_VERDICT_ON_CPU:
+                # every row's race on the device, fetched with the logprobs in one copy
+                choice, race = coupled_race(target_probs, c.sampling.seed, first)
+                targets, rows = emitted_rows(choice, raw, c.logprobs, valid=race > 0)
+                num_accepted, next_token = verify_walk(c.draft_tokens, targets)
+            else:
+                num_accepted, next_token = verify_coupled(drafts, target_probs,
+                                                          c.sampling.seed, first)
         else:
             target_probs = process_logits(logits, c.sampling)  # [k + 1, vocab]
             draft_probs = (
@@ -292,9 +319,9 @@ class VerifyWork(Work):
         self.session.accepted += num_accepted
         self.session.cache.truncate(c.prefix_len + len(kept))
         emitted = c.draft_tokens[:num_accepted] + [next_token]
-        if rows is not None:  # (greedy: the emitted tokens are the rows' own)
+        if rows is not None:  # (the emitted tokens are the rows' own choices)
             logprobs = rows[: num_accepted + 1]
-        else:  # (sampled: the tokens are known after the verdict's copy, so a second one)
+        else:  # (rejection: the tokens are known after the verdict's reads, so another)
             logprobs = ([] if c.logprobs is None else
                         emitted_logprobs(raw[: num_accepted + 1], emitted, c.logprobs))
         return num_accepted, next_token, logprobs
