@@ -325,7 +325,9 @@ def real_feature_pair(tmp_path_factory):
     del engine
     fd.main(["train", "--data", str(root / "data"), "--out", str(root / "run"), "--steps", "2",
              "--batch", "2", "--warmup", "1"])
-    fd.main(["export", "--out", str(root / "run"), "--draft-out", str(root / "draft")])
+    from orchestrator.cli import main as specdec  # the user's command
+    assert specdec(["distill-feature", "export", "--out", str(root / "run"), "--draft-out",
+                    str(root / "draft")]) == 0
     services = {"target": ServiceThread("target", "default"),
                 "fdraft": ServiceThread("draft", str(root / "draft"))}
     yield services, root

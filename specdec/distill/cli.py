@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -72,6 +73,21 @@ def register(sub) -> None:
     e.add_argument("--work", default="runs/distill", help="held-out data cache directory")
     e.add_argument("--threads", type=int, default=1)
     e.set_defaults(func=cmd_eval)
+
+    f = sub.add_parser("distill-feature", add_help=False,
+                       help="the feature-conditioned (EAGLE-style) draft: held-out data, "
+                            "training, evaluation, export (heldout|train|eval|export ...; "
+                            "specdec distill --features makes its data)")
+    f.add_argument("-h", "--help", action="store_true", help=argparse.SUPPRESS)
+    f.add_argument("args", nargs=argparse.REMAINDER)
+    f.set_defaults(func=lambda args: _feature_draft_main(["--help"] * args.help + args.args))
+
+
+def _feature_draft_main(argv: list[str]) -> int:
+    from specdec.distill import feature_draft
+
+    feature_draft.main(argv, prog="specdec distill-feature")
+    return 0
 
 
 def _engine_and_tokenizer(target: str):

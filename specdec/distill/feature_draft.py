@@ -31,15 +31,16 @@ rows t-s+u of passes u = 2..s (the chain's own earlier rows), exactly what ``ste
 server drafts token by token. With the target's tokens fed (teacher forcing) the chain's
 agreement counts are those of greedy drafting, since a chain only counts while it agrees.
 
-CLI (CPU; see ``python -m specdec.distill.feature_draft --help``)::
+CLI (CPU; ``specdec distill-feature`` or ``python -m specdec.distill.feature_draft``)::
 
-    python -m specdec.distill.feature_draft heldout --out runs/eagle     # held-out answers
-    python -m specdec.distill.feature_draft train --data runs/eagle/data --out runs/eagle/f1 \
+    specdec distill --out runs/eagle --data-only --features ...      # data with features
+    specdec distill-feature heldout --out runs/eagle                # held-out answers
+    specdec distill-feature train --data runs/eagle/data --out runs/eagle/f1 \
         --steps 1500 --heldout runs/eagle/heldout-templated-features
-    python -m specdec.distill.feature_draft eval --out runs/eagle/f1 \
+    specdec distill-feature eval --out runs/eagle/f1 \
         --heldout runs/eagle/heldout-templated-features runs/eagle/heldout-handwritten-features
-    python -m specdec.distill.feature_draft export --out runs/eagle/f1 --draft-out DIR
-    specdec serve-draft --model DIR     # (or specdec serve --draft DIR)
+    specdec distill-feature export --out runs/eagle/f1 --draft-out DIR
+    specdec serve --draft DIR     # (or specdec serve-draft --model DIR)
 """
 
 from __future__ import annotations
@@ -364,8 +365,8 @@ def trained(out: pathlib.Path) -> tuple[FeatureDraft, FeatureRecipe, torch.Tenso
     return draft.eval(), recipe, vocab_map, vsize
 
 
-def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m specdec.distill.feature_draft")
+def main(argv=None, prog: str = "python -m specdec.distill.feature_draft") -> None:
+    ap = argparse.ArgumentParser(prog=prog)
     sub = ap.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("train", help="train (resumable) and evaluate")
     tr.add_argument("--data", required=True, help="directory of shard-*.pt with features")
