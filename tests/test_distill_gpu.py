@@ -66,3 +66,61 @@ def test_prepare_run_finish_builds_an_evaluated_draft(tmp_path, tiny_models):
     cache = engine.new_cache()
     logits = engine.forward([cache], [torch.tensor([1, 2, 3])], [1])[0]
     assert logits.shape[-1] == meta["vocab_out"] and torch.isfinite(logits).all()
+
+
+def test_answers_keep_the_features_the_engine_gives(tiny_models):
+    """With features, each answer token's row is the final norm's output at the position
+    that predicted it: specdec's engine's feature over prompt + answer (float numerics, to
+    float rounding), and the answers are the same as without."""
+    from specdec.distill.gpu import answer_batch
+    from specdec.models.hub import load_hf_model
+    from specdec.serving.engine import LlamaEngine
+
+    model, _ = load_hf_model(tiny_models["target"])
+    prompts = [torch.tensor(p, dtype=torch.int32) for p in ([5, 17, 99, 3], [42] * 9)]
+    temps = torch.tensor([0.0, 0.0])
+    plain = answer_batch(model, prompts, temps, [0], 0, 12, 8, torch.Generator().manual_seed(0))
+    recs = answer_batch(model, prompts, temps, [0], 0, 12, 8, torch.Generator().manual_seed(0),
+                        features=True)
+    engine = LlamaEngine.from_hf(model, numerics="float")
+    for p, r, q in zip(prompts, recs, plain):
+        assert torch.equal(r["answer"], q["answer"])
+        n = len(r["answer"])
+        seq = torch.cat([p, r["answer"][:-1]]).long()
+        _, feats = engine.forward_features([engine.new_cache()], [seq], [n])
+        assert r["features"].shape == (n, model.config.hidden_size)
+        torch.testing.assert_close(r["features"].float(), feats[0], atol=2e-2, rtol=1e-2)
+
+
+def test_prepare_run_finish_builds_an_evaluated_feature_draft(tmp_path, tiny_models):
+    """``run --kind feature``: the data keeps features, the feature draft trains on them;
+    ``finish`` writes a servable feature draft and its held-out figures."""
+    from specdec.models import draft_model
+    from specdec.serving.feature_engine import FeatureEngine
+
+    target = tiny_models["target"]
+    work = tmp_path / "f"
+    base = [sys.executable, "-m", "specdec.distill.gpu"]
+
+    def step(*args):
+        out = subprocess.run(base + list(args), capture_output=True, text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out
+
+    step("prepare", "--out", str(work), "--target", target, "--prompts", "6",
+         "--heldout-prompts", "2", "--max-new-tokens", "12")
+    step("run", "--out", str(work), "--target", target, "--kind", "feature", "--gen-seconds",
+         "120", "--train-seconds", "5", "--gen-batch", "4", "--max-new-tokens", "12",
+         "--temperatures", "0,1", "--vocab", "600", "--batch", "4", "--warmup", "2")
+    card = json.loads((work / "gpu-card.json").read_text())
+    assert card["kind"] == "feature" and card["data"]["answers"] == 12
+    assert card["training"]["steps"] >= 20
+    step("finish", "--out", str(work), "--target", target)
+    assert draft_model.is_feature_draft(str(work / "draft"))
+    held = draft_model.read_meta(work / "draft")["card"]["held_out"]
+    assert held["rows"] > 0 and 0.0 <= held["step_agreement"]["step1"] <= 1.0
+    engine = FeatureEngine.load(work / "draft")
+    cache = engine.new_cache()
+    cache.add_features(2, torch.randn(1, engine.hidden))
+    logits = engine.forward([cache], [torch.tensor([1, 2, 3, 4])], [1])[0]
+    assert logits.shape == (1, engine.vocab_out) and torch.isfinite(logits).all()

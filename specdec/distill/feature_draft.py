@@ -141,6 +141,12 @@ def load_records(paths) -> list[dict]:
 # -- training ---------------------------------------------------------------------------------
 
 
+def to_device(batch: dict, draft: FeatureDraft) -> dict:
+    """A batch on the draft's device (a GPU run trains there; the examples stay on the host)."""
+    device = draft.fc.weight.device
+    return batch if device.type == "cpu" else {k: v.to(device) for k, v in batch.items()}
+
+
 def chain_losses(draft: FeatureDraft, batch: dict, recipe: FeatureRecipe, train: bool = True
                  ) -> tuple[torch.Tensor, list[dict]]:
     """Total loss over ``recipe.unroll`` passes and per-pass figures (ce, feature loss, top-1).
@@ -215,7 +221,7 @@ def train(draft: FeatureDraft, examples: FeatureExamples, recipe: FeatureRecipe,
             pool = batches(list(range(len(examples))))
             rng.shuffle(pool)
         idx = pool.pop()
-        batch = examples.batch(idx)
+        batch = to_device(examples.batch(idx), draft)
         for g in opt.param_groups:
             g["lr"] = lr_at(recipe, step)
         loss, figs = chain_losses(draft, batch, recipe)
@@ -262,7 +268,7 @@ def chain_runs(draft: FeatureDraft, examples: FeatureExamples, k_max: int = 4,
     with torch.no_grad():
         for i in range(0, len(examples), batch):
             idx = list(range(i, min(i + batch, len(examples))))
-            b = examples.batch(idx)
+            b = to_device(examples.batch(idx), draft)
             outs = draft(b["features"], b["tokens"], passes=k_max)
             tgt = b["top_ids"][..., 0]  # the target's argmax for the token after each row
             ok = [(lg.argmax(-1) == tgt) & (tgt >= 0) for lg, _ in outs]  # [b, t] per pass

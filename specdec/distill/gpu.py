@@ -46,6 +46,8 @@ PROMPTS_FILE = "prompts.pt"
 HELD_OUT_FILE = "heldout.pt"
 WEIGHT_FILES = ("weights-layers.pt", "weights-head.pt")
 RESULT_FILE = "gpu-card.json"
+FEATURE_FILE = "feature-draft.pt"  # a feature draft's weights, vocabulary and recipe (run)
+FEATURE = "feature"  # run --kind: the feature-conditioned draft
 
 
 # -- 1. prepare -------------------------------------------------------------------------------
@@ -81,9 +83,22 @@ def prepare(out: pathlib.Path, target: str, n_prompts: int, prompt_set: str,
 
 @torch.no_grad()
 def answer_batch(model, prompts: list[torch.Tensor], temps: torch.Tensor, eos: list[int], pad: int,
-                 max_new: int, top_n: int, gen: torch.Generator) -> list[dict]:
-    """The target's answers to a batch of prompts (left-padded), with top-N log-probs."""
+                 max_new: int, top_n: int, gen: torch.Generator, features: bool = False,
+                 ) -> list[dict]:
+    """The target's answers to a batch of prompts (left-padded), with top-N log-probs and,
+    with ``features``, the final norm's output at the position that predicted each answer
+    token (what its head read: a feature draft's input, as ``LlamaEngine.forward_features``
+    gives it)."""
     from transformers import DynamicCache
+
+    if features and getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError("features: a head with soft-capped logits is not supported")
+
+    def forward(**kw):  # (last logits, last feature or None)
+        if not features:
+            return model(**kw, use_cache=True, logits_to_keep=1).logits[:, -1], None
+        h = model.model(**kw, use_cache=True).last_hidden_state[:, -1]
+        return model.lm_head(h), h
 
     device = temps.device
     b, width = len(prompts), max(len(p) for p in prompts)
@@ -96,12 +111,14 @@ def answer_batch(model, prompts: list[torch.Tensor], temps: torch.Tensor, eos: l
     pos = (mask.cumsum(-1) - 1).clamp_min(0)
     eos_t = torch.tensor(eos, device=device)
     cache = DynamicCache()
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits, h = forward(input_ids=ids, attention_mask=mask, position_ids=pos,
+                        past_key_values=cache)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     lengths = torch.zeros(b, dtype=torch.long, device=device)
-    toks, top_i, top_v = [], [], []
+    toks, top_i, top_v, feats = [], [], [], []
     for _ in range(max_new):
+        if features:
+            feats.append(h.to(torch.float16))
         logp = logits.float().log_softmax(-1)
         tv, ti = logp.topk(top_n)
         probs = torch.softmax(logits.float() / temps.clamp_min(1e-4)[:, None], -1)
@@ -117,21 +134,23 @@ def answer_batch(model, prompts: list[torch.Tensor], temps: torch.Tensor, eos: l
             break
         mask = torch.cat([mask, torch.ones(b, 1, dtype=mask.dtype, device=device)], 1)
         pos = pos[:, -1:] + 1
-        logits = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+        logits, h = forward(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                            past_key_values=cache)
     toks_c = torch.stack(toks, 1).cpu()
     ti_c, tv_c = torch.stack(top_i, 1).cpu(), torch.stack(top_v, 1).cpu()
+    feats_c = torch.stack(feats, 1).cpu() if features else None
     lengths = lengths.cpu()
     temps_c = temps.cpu()
     return [dict(prompt=prompts[r].to(torch.int32), answer=toks_c[r, : lengths[r]].to(torch.int32),
                  top_ids=ti_c[r, : lengths[r]].clone(), top_logprobs=tv_c[r, : lengths[r]].clone(),
-                 temperature=float(temps_c[r]))
+                 temperature=float(temps_c[r]),
+                 **({"features": feats_c[r, : lengths[r]].clone()} if features else {}))
             for r in range(b) if lengths[r] > 0]
 
 
 def generate(model, prompts: list[torch.Tensor], temperatures: list[float], eos: list[int],
              pad: int, max_new: int, batch: int, top_n: int, budget_s: float, seed: int,
-             device: torch.device) -> list[dict]:
+             device: torch.device, features: bool = False) -> list[dict]:
     """Answers for prompts x temperatures, in shuffled batches of similar length, until the budget."""
     jobs = [(i, t) for i in range(len(prompts)) for t in temperatures]
     jobs.sort(key=lambda j: len(prompts[j[0]]))
@@ -146,7 +165,8 @@ def generate(model, prompts: list[torch.Tensor], temperatures: list[float], eos:
             log.info("data budget spent after %d of %d batches", len(records) // batch, len(batches))
             break
         temps = torch.tensor([t for _, t in part], dtype=torch.float32, device=device)
-        got = answer_batch(model, [prompts[i] for i, _ in part], temps, eos, pad, max_new, top_n, gen)
+        got = answer_batch(model, [prompts[i] for i, _ in part], temps, eos, pad, max_new, top_n,
+                           gen, features)
         for rec, (i, _) in zip(got, part):
             rec["conversation"] = i
         records.extend(got)
@@ -172,7 +192,11 @@ def _seconds_per_step(module, examples: distill.Examples, recipe: distill.Recipe
 
 def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float, batch: int,
         temperatures: list[float], max_new: int, recipe: distill.Recipe, max_epochs: float,
-        eval_every: int) -> dict:
+        eval_every: int, kind: str = "plain") -> dict:
+    """Data, then training: a plain draft (``distill``'s recipe), or with ``kind`` "feature"
+    the feature-conditioned draft (``feature_draft``'s), its data keeping the target's
+    features (1.1 KB a token on the default target: 4.4 GB for 3.87M tokens in host memory;
+    an 8B target's 8 KB a token would need the data streamed to disk first)."""
     from specdec.models.hub import load_hf_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -186,7 +210,7 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
     vocab_size = int(model.config.vocab_size)
     t_loaded = time.time()
     records = generate(model, data["prompts"], temperatures, data["eos"], data["pad"], max_new,
-                       batch, 32, gen_seconds, recipe.seed, device)
+                       batch, 32, gen_seconds, recipe.seed, device, features=kind == FEATURE)
     t_data = time.time()
     n_tokens = sum(len(r["answer"]) for r in records)
     print(f"data: {len(records)} answers, {n_tokens} target tokens in {t_data - t_loaded:.0f} s "
@@ -195,6 +219,22 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
     recipe = dataclasses.replace(recipe, target=target)
     torch.manual_seed(recipe.seed)
     vocab_map = distill.build_vocab(records, recipe.vocab, sorted(data["eos"]))
+    if kind == FEATURE:
+        figures, saved = _train_feature(model, records, vocab_map, recipe, train_seconds,
+                                        max_epochs, device)
+        torch.save(saved, out / FEATURE_FILE)
+        card = {"kind": FEATURE, "recipe": saved["recipe"], "training": figures,
+                "data": {"answers": len(records), "target_tokens": n_tokens,
+                         "prompts": len(data["prompts"]), "prompt_set": data["prompt_set"],
+                         "temperatures": temperatures, "max_new_tokens": max_new},
+                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                "run_command": "python -m specdec.distill.gpu " + " ".join(sys.argv[1:]),
+                "time_s": {"load": round(t_loaded - t_start, 1),
+                           "data": round(t_data - t_loaded, 1),
+                           "train": round(time.time() - t_data, 1)}}
+        (out / RESULT_FILE).write_text(json.dumps(card, indent=2) + "\n")
+        print(json.dumps(card, indent=2), flush=True)
+        return card
     examples = distill.Examples(records, vocab_map, vocab_size, recipe.max_len)
     held_ex = distill.Examples(held, vocab_map, vocab_size, recipe.max_len)
     module, arch = distill.init_from_target(recipe, vocab_map, model)  # no second load
@@ -233,6 +273,37 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
     return card
 
 
+def _train_feature(model, records: list[dict], vocab_map: torch.Tensor, recipe: distill.Recipe,
+                   train_seconds: float, max_epochs: float, device: torch.device,
+                   ) -> tuple[dict, dict]:
+    """Train the feature draft on ``records`` (with features) on ``device`` for about
+    ``train_seconds``: (figures, what ``finish`` makes the draft from)."""
+    from specdec.distill import feature_draft as fd
+    from specdec.models import feature_model as fm
+
+    frecipe = fm.FeatureRecipe(target=recipe.target, vocab=recipe.vocab, batch=recipe.batch,
+                               lr=recipe.lr, warmup=recipe.warmup, seed=recipe.seed)
+    scale = fd.feature_rms(records)
+    draft = fm.init_from_target(frecipe, vocab_map, scale, model=model).to(device)
+    examples = fd.FeatureExamples(vocab_map, int(model.config.vocab_size), frecipe.max_answer)
+    examples.add(records)
+    probe = copy.deepcopy(draft)  # size the run to its budget: a few timed steps
+    fd.train(probe, examples, dataclasses.replace(frecipe, steps=3, warmup=1), progress=False)
+    t0 = time.time()
+    fd.train(probe, examples, dataclasses.replace(frecipe, steps=6, warmup=1), progress=False)
+    per_step = (time.time() - t0) / 6
+    epoch_steps = max(1, len(examples) // frecipe.batch)
+    steps = max(20, int(min(train_seconds / per_step, max_epochs * epoch_steps)))
+    frecipe = dataclasses.replace(frecipe, steps=steps)
+    print(f"feature draft: {steps} steps of {frecipe.batch} ({per_step * 1000:.0f} ms/step, "
+          f"{steps / epoch_steps:.2f} epochs)", flush=True)
+    figures = fd.train(draft, examples, frecipe)
+    state = {k: v.detach().cpu().to(torch.float16) if v.is_floating_point() else v.cpu()
+             for k, v in draft.state_dict().items()}
+    return figures, {"model": state, "vocab_map": vocab_map.to(torch.int32),
+                     "feature_scale": scale, "recipe": dataclasses.asdict(frecipe)}
+
+
 # -- 3. finish --------------------------------------------------------------------------------
 
 
@@ -241,6 +312,8 @@ def finish(out: pathlib.Path, draft_out: pathlib.Path, target: str, command: str
     from specdec.serving.arch import ArchConfig
 
     card = json.loads((out / RESULT_FILE).read_text())
+    if card.get("kind") == FEATURE:
+        return _finish_feature(out, draft_out, target, command, card)
     weights = {}
     for name in WEIGHT_FILES:
         weights.update(torch.load(out / name, weights_only=True))
@@ -252,6 +325,36 @@ def finish(out: pathlib.Path, draft_out: pathlib.Path, target: str, command: str
     draft_model.save(draft_out, arch, weights, vocab_map, target, card)
     held = torch.load(out / HELD_OUT_FILE, weights_only=True)
     card["held_out"] = distill.evaluate(str(draft_out), held)
+    draft_model.update_card(draft_out, card)
+    (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
+    print(json.dumps(card["held_out"], indent=2))
+    return card
+
+def _finish_feature(out: pathlib.Path, draft_out: pathlib.Path, target: str, command: str,
+                    card: dict) -> dict:
+    """The feature draft's directory, and its held-out figures on this machine: the held-out
+    answers scored by the target here for their features (``data.score_answers``)."""
+    from specdec.distill import feature_draft as fd
+    from specdec.distill.cli import _engine_and_tokenizer
+    from specdec.distill.data import score_answers
+    from specdec.models import feature_model as fm
+
+    saved = torch.load(out / FEATURE_FILE, weights_only=True)
+    recipe = fm.FeatureRecipe(**{**saved["recipe"], "target": target})
+    vocab_map = saved["vocab_map"].long()
+    draft = fm.init_from_target(recipe, vocab_map, float(saved["feature_scale"]))
+    draft.load_state_dict({k: v.float() if v.is_floating_point() else v
+                           for k, v in saved["model"].items()})
+    card["recipe"]["target"] = target
+    card["command"] = command
+    fm.save_draft(draft_out, draft, target, card)
+    engine, tokenizer, _ = _engine_and_tokenizer(target)
+    held = score_answers(engine, torch.load(out / HELD_OUT_FILE, weights_only=True), 32, True)
+    examples = fd.FeatureExamples(vocab_map, len(tokenizer))
+    examples.add(held)
+    card["held_out"] = fd.evaluate(fm.load_draft(draft_out), examples)
+    from specdec.models import draft_model
+
     draft_model.update_card(draft_out, card)
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card["held_out"], indent=2))
@@ -287,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-epochs", type=float, default=4.0)
     r.add_argument("--eval-every", type=int, default=250)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--kind", default="plain", choices=["plain", FEATURE],
+                   help="the draft to train: plain (the default) or the feature-conditioned "
+                        "one (its data keeps the target's features)")
     f = sub.add_parser("finish", help="write the draft directory and evaluate it")
     f.add_argument("--out", required=True)
     f.add_argument("--draft-out", default=None)
@@ -303,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                                 warmup=args.warmup, seed=args.seed)
         run(out, args.target, args.gen_seconds, args.train_seconds, args.gen_batch,
             [float(t) for t in args.temperatures.split(",")], args.max_new_tokens, recipe,
-            args.max_epochs, args.eval_every)
+            args.max_epochs, args.eval_every, args.kind)
     else:
         finish(out, pathlib.Path(args.draft_out or out / "draft"), args.target,
                " ".join(["python -m specdec.distill.gpu"] + sys.argv[1:]))
@@ -312,3 +418,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
