@@ -379,3 +379,30 @@ def test_real_pair_serves_the_trained_feature_draft(real_feature_pair):
     n = seen["feats"].shape[0]
     assert seen["start"] == len(prompt) - 1 and n >= 5
     assert torch.equal(seen["feats"], ref[0][seen["start"]:seen["start"] + n].half().float())
+
+
+def test_the_speculation_cache_branches_on_the_feature_draft(fservices):
+    """A branch call (the block in flight, then width candidates per verdict) on the feature
+    draft: every verdict's branches come back, drafted on the draft's own features past the
+    target's, and the same call again gives the same branches (forks share nothing)."""
+    from specdec.serving.session import rolling_hash
+
+    tokens = [1, 520, 3300, 12, 99, 7, 8, 9, 10]  # history of 7, then a block of 2
+    feats = pb.Features(start=4, dim=64, data=torch.randn(2, 64).half().numpy().tobytes())
+    with grpc.insecure_channel(fservices["fdraft"].address) as ch:
+        stub = pb_grpc.DraftServiceStub(ch)
+
+        def branches(prefix):
+            return stub.Propose(pb.DraftRequest(
+                session=pb.SessionRef(session_id="br", prefix_len=prefix,
+                                      prefix_hash=rolling_hash(tokens[:prefix]) if prefix
+                                      else 0),
+                tokens=tokens[prefix:], k=3, features=feats if not prefix else None,
+                branches=pb.BranchSpec(block_len=2, width=2, depth=3)), timeout=30)
+
+        first = branches(0)
+        again = branches(6)  # the history's last token is fed again, as the client does
+    got = [(b.accepted, b.token, list(b.tokens)) for b in first.branches]
+    assert sorted({j for j, _, _ in got}) == [0, 1, 2]
+    assert all(len(t) == 3 for _, _, t in got) and len(got) >= 5
+    assert got == [(b.accepted, b.token, list(b.tokens)) for b in again.branches]
