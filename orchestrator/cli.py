@@ -73,8 +73,9 @@ def add_pair_arguments(p: argparse.ArgumentParser) -> None:
                         "another target, its int8 copy), 'int8:<spec>' (that model with int8 "
                         "weights: 'int8:default' drafts with the target's own weights, "
                         "~0.95 of its greedy tokens, for separate CPU hardware), 'ngram' "
-                        "(prompt lookup), a specdec draft directory (a plain or a feature-conditioned "
-                        "draft: specdec distill-feature export), .gguf or HF directory")
+                        "(prompt lookup), a specdec draft directory (a plain or a "
+                        "feature-conditioned draft: specdec distill-feature export), .gguf or "
+                        "HF directory")
     p.add_argument("--target-addr", help="HOST:PORT of a running target service")
     p.add_argument("--draft-addr", help="HOST:PORT of a running draft service")
     p.add_argument("--threads", type=int, default=0,

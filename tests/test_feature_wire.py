@@ -349,7 +349,8 @@ def test_real_pair_serves_the_trained_feature_draft(real_feature_pair):
     trained, *_ = fd.trained(root / "run")
     served = fm.load_draft(root / "draft")
     for name, p in trained.params.items():  # int8 rows: within ~half a step (fp16 scales)
-        step = p.detach().abs().amax(dim=-1, keepdim=True) / 127 if p.dim() == 2 else 1e-3 * p.abs().max()
+        step = p.detach().abs().amax(dim=-1, keepdim=True) / 127 if p.dim() == 2 else \
+            1e-3 * p.abs().max()
         assert ((served.params[name] - p).abs() <= step * 0.6 + 1e-6).all(), name
     info = services["fdraft"].runtime.info
     assert info.features and info.feature_dim == 576
