@@ -8,6 +8,14 @@ import torch
 from conftest import hf_greedy
 
 
+def step(*args):
+    """One step of ``python -m specdec.distill.gpu``, as a user runs it."""
+    out = subprocess.run([sys.executable, "-m", "specdec.distill.gpu", *args],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
 def test_batched_answers_match_the_targets_own_greedy_despite_left_padding(tiny_models):
     from specdec.distill.gpu import answer_batch
     from specdec.models.hub import load_hf_model
@@ -37,13 +45,6 @@ def test_batched_answers_match_the_targets_own_greedy_despite_left_padding(tiny_
 def test_prepare_run_finish_builds_an_evaluated_draft(tmp_path, tiny_models):
     target = tiny_models["target"]
     work = tmp_path / "d"
-    base = [sys.executable, "-m", "specdec.distill.gpu"]
-
-    def step(*args):
-        out = subprocess.run(base + list(args), capture_output=True, text=True, timeout=900)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out
-
     step("prepare", "--out", str(work), "--target", target, "--prompts", "6",
          "--heldout-prompts", "2", "--max-new-tokens", "12")
     step("run", "--out", str(work), "--target", target, "--gen-seconds", "120",
@@ -100,13 +101,6 @@ def test_prepare_run_finish_builds_an_evaluated_feature_draft(tmp_path, tiny_mod
 
     target = tiny_models["target"]
     work = tmp_path / "f"
-    base = [sys.executable, "-m", "specdec.distill.gpu"]
-
-    def step(*args):
-        out = subprocess.run(base + list(args), capture_output=True, text=True, timeout=900)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return out
-
     step("prepare", "--out", str(work), "--target", target, "--prompts", "6",
          "--heldout-prompts", "2", "--max-new-tokens", "12")
     step("run", "--out", str(work), "--target", target, "--kind", "feature", "--gen-seconds",

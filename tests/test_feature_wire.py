@@ -166,6 +166,16 @@ def _draft_session(service):
     return sessions[0]
 
 
+def _snapshot(service, at: int, seen: dict):
+    """A generate_on hook: at the ``at``-th delta, the draft session's tokens and features."""
+    async def look(n):
+        if n == at:
+            s = _draft_session(service)
+            seen.update(tokens=list(s.cache.tokens), start=s.cache.feat_start,
+                        feats=s.cache.feats.clone())
+    return look
+
+
 def test_features_reach_the_draft_exactly(fservices, tiny_models):
     """Mid-generation, the draft's session holds the target's features of every position from
     the prompt's last on, bit for bit the fp16 of what the target's engine computes for them
@@ -175,13 +185,7 @@ def test_features_reach_the_draft_exactly(fservices, tiny_models):
 
     prompt = TOKEN_PROMPTS[1]
     seen = {}
-
-    async def look(n):
-        if n == 8:
-            s = _draft_session(fservices["fdraft"])
-            seen.update(tokens=list(s.cache.tokens), start=s.cache.feat_start,
-                        feats=s.cache.feats.clone())
-
+    look = _snapshot(fservices["fdraft"], 8, seen)
     result = asyncio.run(generate_on(fservices, "fdraft", prompt, "spec", 2, max_new=30,
                                      hook=look))
     assert result.stats.draft_failures == 0
@@ -359,13 +363,7 @@ def test_real_pair_serves_the_trained_feature_draft(real_feature_pair):
     prompt = encode_prompt(tok, "Name three rivers in Europe and say where each one ends.",
                            None)
     seen = {}
-
-    async def look(n):
-        if n == 10:
-            s = _draft_session(services["fdraft"])
-            seen.update(tokens=list(s.cache.tokens), start=s.cache.feat_start,
-                        feats=s.cache.feats.clone())
-
+    look = _snapshot(services["fdraft"], 10, seen)
     for sampling in (SamplingParams(), SamplingParams(temperature=0.8, seed=11)):
         ref = asyncio.run(generate_on(services, None, prompt, "target-only", 0, max_new=32,
                                       sampling=sampling))
