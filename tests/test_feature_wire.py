@@ -55,6 +55,23 @@ def fservices(tiny_services, fdraft_dir, tiny_models):
 # -- the format and the engine, without the network ----------------------------------------
 
 
+def test_a_feature_draft_is_refused_where_a_model_engine_is_meant(fdraft_dir):
+    """It is a draft only: a target (or eval-draft, which runs plain drafts) refuses it by
+    name, instead of failing on missing weights."""
+    from specdec.distill.cli import register
+    from specdec.models.draft_model import load_engine
+
+    with pytest.raises(ValueError, match="feature-conditioned draft"):
+        load_engine(fdraft_dir, torch.device("cpu"))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["eval-draft", "--draft", fdraft_dir])
+    with pytest.raises(SystemExit, match="specdec distill-feature eval"):
+        args.func(args)
+
+
 def test_saved_draft_loads_as_stored(tiny_models, fdraft_dir):
     """save -> load -> save is a fixed point, and the loaded draft is the trained one to int8
     rounding (its logits within 2% of their spread)."""

@@ -311,6 +311,9 @@ def cmd_eval(args) -> int:
     spec = resolve_draft_spec(args.draft, "default")
     if not draft_model.is_draft_dir(spec):
         raise SystemExit(f"error: {args.draft!r} is not a specdec draft directory")
+    if draft_model.is_feature_draft(spec):
+        raise SystemExit(f"error: {args.draft!r} is a feature-conditioned draft: evaluate it "
+                         "with specdec distill-feature eval")
     meta = draft_model.read_meta(spec)
     engine, tokenizer, eos = _engine_and_tokenizer(meta["target"])  # once for every set
     report = {}

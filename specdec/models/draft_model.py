@@ -127,6 +127,9 @@ def load_engine(path, device, kernels: str = "auto", quantize: str | None = None
     from specdec.models.hub import load_tokenizer
 
     meta, tensors = load_stored(path)
+    if meta.get("kind") == FEATURE:
+        raise ValueError(f"{path}: a feature-conditioned draft, served as a draft only "
+                         "(specdec.serving.feature_engine), not a model engine")
     weights = _weights(meta, tensors)
     arch = ArchConfig(**meta["arch"])
     vocab_map = weights.pop("vocab_map").long()
