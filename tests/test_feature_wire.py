@@ -150,6 +150,33 @@ def test_rows_before_any_feature_then_rebased(fdraft_dir):
     assert cache.row_start == 8
 
 
+def test_sessions_in_one_pass_get_what_each_gets_alone(fdraft_dir):
+    """A pass over several sessions (a fresh one, one with provisional rows to redo, one
+    drafting on predictions, one before any feature) gives each the logits it gets alone:
+    bit for bit in integer numerics, where a row's numbers do not depend on its pass."""
+    engine = FeatureEngine.load(fdraft_dir)
+    assert engine.numerics == "integer"
+    tokens = torch.randint(0, 49152, (16,))
+    feats = torch.randn(16, 64)
+
+    def sessions():
+        a, b, c, d = (engine.new_cache() for _ in range(4))
+        a.add_features(3, feats[3:12])
+        b.add_features(3, feats[3:7])
+        engine.forward([b], [tokens[:10]], [1])
+        b.add_features(7, feats[7:12])
+        c.add_features(5, feats[5:9])
+        engine.forward([c], [tokens[:11]], [1])
+        return [a, b, c, d], [tokens[:14], tokens[10:14], tokens[11:12], tokens[:6]], [2, 1, 1, 1]
+
+    caches, feeds, wanted = sessions()
+    together = engine.forward(caches, feeds, wanted)
+    caches, feeds, wanted = sessions()
+    alone = [engine.forward([c], [f], [n])[0] for c, f, n in zip(caches, feeds, wanted)]
+    for t, a in zip(together, alone):
+        assert torch.equal(t, a)
+
+
 def test_fork_and_truncate_keep_what_the_tokens_determine(fdraft_dir):
     engine = FeatureEngine.from_module(fm.load_draft(fdraft_dir), numerics="float")
     cache = engine.new_cache()

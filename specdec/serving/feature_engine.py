@@ -22,13 +22,11 @@ import dataclasses
 import numpy as np
 import torch
 
-import torch.nn.functional as F
-
 from specdec.config import DEFAULT_NUMERICS
 from specdec.models.draft_model import LAYER_PARAMS
 from specdec.models.feature_model import FeatureDraft
 from specdec.serving.engine import LlamaEngine
-from specdec.serving.kernels import timed
+from specdec.serving.kernels import GroupedCodes, Linear, timed
 from specdec.serving.session import PrefixMismatch
 
 
@@ -128,6 +126,16 @@ class FeatureCache:
         self.true_rows = min(self.true_rows, max(0, start + 1 - self.row_start))
 
 
+@dataclasses.dataclass
+class _Rows:
+    """A session's rows to compute in a forward: from token position ``next`` to its end."""
+
+    cache: FeatureCache
+    wanted: int  # logits asked for (the last positions)
+    next: int
+    logits: list = dataclasses.field(default_factory=list)
+
+
 class FeatureEngine:
     """A feature draft behind the engine interface the draft's works use.
 
@@ -141,7 +149,7 @@ class FeatureEngine:
     pool = None  # the scheduler admits every piece (the stack keeps its own caches)
 
     def __init__(self, stack: LlamaEngine, fc_weight: torch.Tensor, fc_bias: torch.Tensor,
-                 feature_scale: float):
+                 feature_scale: float, fc_codes: GroupedCodes | None = None):
         self.stack = stack
         self.device = stack.device
         self.arch = stack.arch
@@ -150,8 +158,12 @@ class FeatureEngine:
         self.vocab_map = stack.vocab_map
         self.vocab_in = stack.vocab_in
         self.vocab_out = stack.vocab_out
-        self.fc_weight = fc_weight.to(self.device, torch.float32)
-        self.fc_bias = fc_bias.to(self.device, torch.float32)
+        # on the stack's kernels (and its stored codes): in integer numerics a row's numbers
+        # are the same in any pass, as the stack's
+        self.fc = Linear(fc_weight.to(self.device, stack.dtype),
+                         fc_bias.to(self.device, stack.dtype), stack.kernels,
+                         fc_codes if stack.kernels is not None else None,
+                         integer=stack.numerics == "integer")
         self.feature_scale = float(feature_scale)
         self.embed_scale = float(stack.embed.float().pow(2).mean().sqrt())
 
@@ -168,12 +180,13 @@ class FeatureEngine:
                    "head": draft.params["head"]}
         weights.update({f"layers.0.{n}": draft.params[n] for n in LAYER_PARAMS})
         weights = {k: v.detach().float() for k, v in weights.items()}
-        codes = {("layers.0." + k if k in LAYER_PARAMS else k): c
-                 for k, c in (codes or {}).items() if k != "fc.weight"}
+        codes = dict(codes or {})
+        fc_codes = codes.pop("fc.weight", None)
+        codes = {("layers.0." + k if k in LAYER_PARAMS else k): c for k, c in codes.items()}
         stack = LlamaEngine(draft.arch, weights, device, kernels, vocab_map=draft.vocab_map,
                             codes=codes, numerics=numerics, dtype=dtype)
-        return cls(stack, draft.fc.weight.detach(), draft.fc.bias.detach(),
-                   float(draft.feature_scale))
+        return cls(stack, draft.fc.weight.detach().float(), draft.fc.bias.detach().float(),
+                   float(draft.feature_scale), fc_codes)
 
     @classmethod
     def load(cls, path, device="cpu", kernels: str = "auto", numerics: str = DEFAULT_NUMERICS,
@@ -203,58 +216,76 @@ class FeatureEngine:
     @torch.inference_mode()
     def forward(self, caches, tokens, num_logits) -> list[torch.Tensor]:
         """Append each session's tokens; its logits [num_logits[i], vocab_out] for its last
-        positions (zeros for a position before the session's first row)."""
-        return [self._session(c, t.tolist(), n) for c, t, n in zip(caches, tokens, num_logits)]
+        positions (zeros for a position before the session's first row). The sessions' rows
+        are batched: those on the target's features in one stack pass, then one pass per
+        row that reads a prediction (a drafting pass has one such row per session)."""
+        out, todo = [], []
+        for cache, toks, n in zip(caches, tokens, num_logits):
+            cache.tokens += toks.tolist()
+            out.append(torch.zeros(n, self.vocab_out, device=self.device))
+            if n:
+                todo.append(_Rows(cache, n, self._first_row(cache, n)))
+        known = []
+        for r in todo:  # the leading rows whose features the target sent
+            c = r.cache
+            if c.feat_start is not None and c.true_rows == c.rows.length:
+                n = max(0, min(c.length, c.feat_end + 1) - r.next)
+                if n:
+                    at = r.next - 1 - c.feat_start
+                    known.append((r, c.feats[at:at + n], n))
+        self._pass(known, true=True)
+        while True:  # the rest, a row at a time, each on its session's last prediction
+            step = [(r, r.cache.preds[-1:] if r.cache.preds.shape[0] else
+                     torch.zeros(1, self.hidden, device=self.device), 1)
+                    for r in todo if r.next < r.cache.length]
+            if not step:
+                break
+            self._pass(step, true=False)
+        for r, logits in zip(todo, (out[i] for i, n in enumerate(num_logits) if n)):
+            got = torch.cat(r.logits) if r.logits else logits[:0]
+            take = min(r.wanted, got.shape[0])
+            if take:
+                logits[r.wanted - take:] = got[got.shape[0] - take:]
+        return out
 
     def forward_features(self, caches, tokens, num_logits, num_features=None):
         raise ValueError("a feature draft has no features to give")
 
-    def _session(self, cache: FeatureCache, tokens: list[int], num_logits: int) -> torch.Tensor:
-        cache.tokens += tokens
-        out = torch.zeros(num_logits, self.vocab_out, device=self.device)
-        if num_logits == 0:
-            return out
-        length = cache.length
+    @staticmethod
+    def _first_row(cache: FeatureCache, wanted: int) -> int:
+        """Make the session's rows valid for what it knows now; the token position of its
+        next row to compute."""
         if cache.feat_start is not None and cache.row_start != cache.feat_start + 1:
             cache.cut_rows(0)  # features came: rows start where the draft learnt them
             cache.row_start = cache.feat_start + 1
         elif cache.feat_start is None and cache.rows.length == 0:
-            cache.row_start = max(0, length - num_logits)  # rows only where logits are asked
+            cache.row_start = max(0, cache.length - wanted)  # rows only where logits are asked
         # a provisional row whose feature the target has sent since is computed again
         # (row i reads the feature of position row_start + i - 1)
         if cache.feat_start is not None and cache.true_rows < cache.rows.length and \
                 cache.row_start + cache.true_rows - 1 < cache.feat_end:
             cache.cut_rows(cache.true_rows)
-        first = cache.row_start + cache.rows.length  # token position of the next row
-        computed = []
-        if cache.feat_start is not None and cache.true_rows == cache.rows.length:
-            known = max(0, min(length, cache.feat_end + 1) - first)  # rows with features
-            if known:
-                at = first - 1 - cache.feat_start
-                computed.append(self._rows(cache, cache.feats[at:at + known], first, known))
-                cache.true_rows += known
-                first += known
-        for t in range(first, length):  # the rest read the draft's own prediction
-            feat = cache.preds[-1:] if cache.preds.shape[0] else \
-                torch.zeros(1, self.hidden, device=self.device)
-            computed.append(self._rows(cache, feat, t, 1))
-        logits = torch.cat(computed) if computed else out[:0]
-        take = min(num_logits, logits.shape[0])
-        if take:
-            out[num_logits - take:] = logits[logits.shape[0] - take:]
-        return out
+        return cache.row_start + cache.rows.length
 
-    def _rows(self, cache: FeatureCache, feats: torch.Tensor, first: int, n: int
-              ) -> torch.Tensor:
-        """Rows for the tokens at first.. (n of them) reading ``feats`` [n, hidden]: the
-        fc's rows through the stack; their logits [n, vocab_out]."""
-        toks = torch.tensor(cache.tokens[first:first + n], dtype=torch.long, device=self.device)
-        x = F.linear(torch.cat([feats.float() / self.feature_scale,
-                                self.stack.embed[toks].float() / self.embed_scale], -1),
-                     self.fc_weight, self.fc_bias)
-        logits, preds = self.stack.forward_features([cache.rows], [toks], [n], inputs=[x])
-        cache.preds = torch.cat([cache.preds, preds[0].float()])
-        return logits[0]
+    def _pass(self, rows: list[tuple["_Rows", torch.Tensor, int]], true: bool) -> None:
+        """One stack pass over sessions' next rows: (session, features [n, hidden], n) each;
+        ``true``: the features are the target's."""
+        if not rows:
+            return
+        toks = [torch.tensor(r.cache.tokens[r.next:r.next + n], dtype=torch.long,
+                             device=self.device) for r, _, n in rows]
+        feats = torch.cat([f.float() for _, f, _ in rows]) / self.feature_scale
+        embeds = self.stack.embed[torch.cat(toks)].float() / self.embed_scale
+        x = self.fc(torch.cat([feats, embeds], -1).to(self.stack.dtype).contiguous())
+        sizes = [n for _, _, n in rows]
+        logits, preds = self.stack.forward_features([r.cache.rows for r, _, _ in rows], toks,
+                                                    sizes, inputs=list(x.split(sizes)))
+        for (r, _, n), lg, pred in zip(rows, logits, preds):
+            r.cache.preds = torch.cat([r.cache.preds, pred.float()])
+            if true:
+                r.cache.true_rows += n
+            r.logits.append(lg)
+            r.next += n
 
     def forward_timer(self, context: int = 128, max_rows: int = 16):
         """ms(rows) of one step over ``rows`` new rows after ``context`` rows of features (the
@@ -262,12 +293,12 @@ class FeatureEngine:
         cache = self.new_cache()
         tokens = (torch.arange(context + max_rows + 1) % self.vocab_in).tolist()
         cache.add_features(0, torch.zeros(context + max_rows, self.hidden))
-        self._session(cache, tokens[:context + 1], 1)
+        self.forward([cache], [torch.tensor(tokens[:context + 1])], [1])
 
         def probe(rows: int) -> float:
             cache.truncate(context + 1)  # (and the features with it: those of the probe again)
             cache.add_features(context, torch.zeros(max_rows + 1, self.hidden))
-            return timed(lambda: self._session(cache, tokens[context + 1:context + 1 + rows],
-                                               rows))
+            feed = torch.tensor(tokens[context + 1:context + 1 + rows])
+            return timed(lambda: self.forward([cache], [feed], [rows]))
 
         return probe
