@@ -263,3 +263,33 @@ def test_the_shipped_drafts_coupled_race_on_the_device_is_the_hosts(monkeypatch)
         host, _ = drafted_block(engine, history, 5, sampling, False, monkeypatch)
         device, fed = drafted_block(engine, history, 5, sampling, True, monkeypatch)
         assert device == host and fed == 4
+
+
+@pytest.mark.parametrize("seed", [2, 9])
+def test_a_penalized_draft_stays_on_the_device_and_proposes_the_hosts_tokens(tiny_services,
+                                                                             seed, monkeypatch):
+    """Penalties are counted where the logits are, over the drafted tokens still there (no
+    host read between steps): a penalized coupled draft on the device proposes what its host
+    path does, and a penalized greedy draft what penalize over the host's token list gives
+    step by step (mutant: penalties over the committed tokens only)."""
+    import torch
+
+    from specdec.serving.sampling import penalize
+
+    engine, history, k = tiny_services["near_draft"].runtime.engine, TOKEN_PROMPTS[2], 6
+    for penalties in (dict(presence_penalty=1.5, frequency_penalty=0.5),
+                      dict(repetition_penalty=1.8)):
+        sampling = SamplingParams(temperature=1.0, seed=seed, prompt_len=3, **penalties)
+        host, _ = drafted_block(engine, history, k, sampling, False, monkeypatch)
+        device, fed = drafted_block(engine, history, k, sampling, True, monkeypatch)
+        assert device == host and fed == k - 1, (penalties, host, device)
+        greedy = SamplingParams(prompt_len=3, **penalties)
+        got, fed = drafted_block(engine, history, k, greedy, False, monkeypatch)
+        assert fed == k - 1  # greedy runs on the device path on the CPU too
+        cache, want = engine.new_cache(), []
+        logits = engine.forward([cache], [torch.tensor(history)], [1])[0]
+        for _ in range(k):
+            full = engine.full_vocab_logits(logits[-1:], engine.vocab_in)
+            want.append(int(penalize(full, greedy, history + want).argmax()))
+            logits = engine.forward([cache], [torch.tensor(want[-1:])], [1])[0]
+        assert got == want, (penalties, got, want)

@@ -118,15 +118,16 @@ class DraftWork(Work):
         self.drafted: list[int] = []
         self.dists: list[tuple[list[int], list[float]]] = []
         self._q_params = draft_sampling(call.sampling, q_top_k)
-        # Greedy, or coupled off the CPU, with no penalty or grammar to read the host, a
-        # drafted token stays where the logits are, as the next step's input ([1] each), and
-        # the call fetches them once at its end: no device-to-host copy between a GPU draft's
-        # steps. (A coupled race on the CPU stays numpy's: torch's int64 hash costs 3x there.)
+        # Greedy, or coupled off the CPU, with no grammar to read the host, a drafted token
+        # stays where the logits are, as the next step's input ([1] each), and the call
+        # fetches them once at its end: no device-to-host copy between a GPU draft's steps
+        # (penalties too are counted there). (A coupled race on the CPU stays numpy's:
+        # torch's int64 hash costs 3x there.)
         s = call.sampling
         on_device = s.greedy or (s.rule == "coupled" and (
             engine.device.type != "cpu" or DEVICE_RACE_ON_CPU))
         self._on_device: list[torch.Tensor] | None = \
-            [] if on_device and not s.penalized and not s.grammar else None
+            [] if on_device and not s.grammar else None
         self._race_ids = None  # the coupled race's token ids, on the device (reduced head)
 
     def start(self) -> None:
@@ -165,7 +166,12 @@ class DraftWork(Work):
         elif self._on_device is None:
             self.session.append(self.drafted[-1:])  # the drafted token just fed
         if self._on_device is not None:
-            logits = bias_logits(logits[-1:], self.call.sampling, self.engine.vocab_in,
+            logits = logits[-1:]
+            if self.call.sampling.penalized:  # over the drafted tokens still on the device
+                committed = torch.tensor(self.session.tokens[: self.call.prefix_len] +
+                                         self.call.tokens, device=logits.device)
+                logits = self._penalized(logits, torch.cat([committed, *self._on_device]))
+            logits = bias_logits(logits, self.call.sampling, self.engine.vocab_in,
                                  self.engine.vocab_map)
             self._on_device.append(self.engine.token_ids(self._device_choice(logits)))  # [1]
             if len(self._on_device) == 1:
@@ -176,13 +182,8 @@ class DraftWork(Work):
         vocab_map = self.engine.vocab_map
         logits = logits[-1:]
         if sampling.penalized:  # as the target will: the draft's tokens are then likelier kept
-            context = self.session.tokens[: self.call.prefix_len] + self.call.tokens + \
-                self.drafted
-            if vocab_map is None:
-                logits = penalize(logits, sampling, context)
-            else:  # penalties are over token ids: go through the full vocabulary and back
-                full = self.engine.full_vocab_logits(logits, self.engine.vocab_in)
-                logits = penalize(full, sampling, context)[:, vocab_map.to(full.device)]
+            logits = self._penalized(logits, self.session.tokens[: self.call.prefix_len] +
+                                     self.call.tokens + self.drafted)
         logits = bias_logits(logits, sampling, self.engine.vocab_in, vocab_map)
         if self.grammar is not None:  # propose only what the target can take
             if not self.drafted:
@@ -214,6 +215,17 @@ class DraftWork(Work):
         if len(self.drafted) == 1:
             self.session.append(self.call.tokens)
         return len(self.drafted) >= self.k
+
+    def _penalized(self, logits: torch.Tensor, context) -> torch.Tensor:
+        """The request's penalties on the draft's logits [1, vocab_out] after ``context`` (ids;
+        a list, or a tensor where the logits are), as the target will apply them: the draft's
+        tokens are then likelier kept. Penalties are over token ids: through the full
+        vocabulary and back where the head is reduced."""
+        vocab_map = self.engine.vocab_map
+        if vocab_map is None:
+            return penalize(logits, self.call.sampling, context)
+        full = self.engine.full_vocab_logits(logits, self.engine.vocab_in)
+        return penalize(full, self.call.sampling, context)[:, vocab_map.to(full.device)]
 
     def _device_choice(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafted output index [1] of the last row of ``logits``, on their device: the

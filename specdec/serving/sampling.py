@@ -34,8 +34,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return logits.softmax(-1)
 
 
-def penalize(logits: torch.Tensor, params: SamplingParams, context: list[int],
-             continuation: list[int] = ()) -> torch.Tensor:
+def penalize(logits: torch.Tensor, params: SamplingParams,
+             context: list[int] | torch.Tensor, continuation: list[int] = ()) -> torch.Tensor:
     """The request's penalties on logits [n, vocab] whose row i follows context +
     continuation[:i] (a verify block's rows, or one row with continuation empty).
 
@@ -44,25 +44,32 @@ def penalize(logits: torch.Tensor, params: SamplingParams, context: list[int],
     negative), then frequency (minus the penalty per occurrence in the output) and presence
     (minus the penalty once if it occurs in the output); the output is what follows the first
     ``params.prompt_len`` tokens. Returns new float32 logits; unchanged when not penalized.
+    ``context`` may be a tensor on the logits' device (a draft's tokens drafted there): no
+    operation here reads the device (masks and counts by scatter, not unique / bincount).
     """
     if not params.penalized:
         return logits
     n, vocab = logits.shape
     logits = logits.float().clone()
-    seq = torch.tensor(list(context) + list(continuation), dtype=torch.long,
-                       device=logits.device)  # (where the logits are: a GPU's or the CPU)
-    base = len(context)
+    device = logits.device  # (where the logits are: a GPU's or the CPU)
+    seq = context.to(device, torch.long) if isinstance(context, torch.Tensor) else \
+        torch.tensor(list(context), dtype=torch.long, device=device)
+    base = seq.numel()
+    if len(continuation):
+        seq = torch.cat([seq, torch.tensor(list(continuation), dtype=torch.long, device=device)])
     start = min(params.prompt_len, base)
     for i in range(n):
         seen = seq[: base + i]
         if params.repetition_penalty != 1.0 and seen.numel():
-            ids = torch.unique(seen)
-            row = logits[i, ids]
+            hit = torch.zeros(vocab, dtype=torch.bool, device=device)
+            hit[seen] = True
+            row = logits[i]
             r = params.repetition_penalty
-            logits[i, ids] = torch.where(row > 0, row / r, row * r)
+            logits[i] = torch.where(hit, torch.where(row > 0, row / r, row * r), row)
         output = seen[start:]
         if output.numel() and (params.frequency_penalty or params.presence_penalty):
-            counts = torch.bincount(output, minlength=vocab)[:vocab].float()
+            counts = torch.zeros(vocab, device=device).index_add_(
+                0, output, torch.ones(output.numel(), device=device))
             logits[i] -= params.frequency_penalty * counts
             logits[i] -= params.presence_penalty * (counts > 0).float()
     return logits
