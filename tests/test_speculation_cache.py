@@ -277,8 +277,10 @@ def test_a_penalized_draft_stays_on_the_device_and_proposes_the_hosts_tokens(tin
     from specdec.serving.sampling import penalize
 
     engine, history, k = tiny_services["near_draft"].runtime.engine, TOKEN_PROMPTS[2], 6
-    for penalties in (dict(presence_penalty=1.5, frequency_penalty=0.5),
-                      dict(repetition_penalty=1.8)):
+    # penalties that favour what was written: drafted tokens then come again (the tiny
+    # draft repeats nothing by itself), so a draft that forgot them drafts otherwise
+    for penalties in (dict(presence_penalty=-2.0, frequency_penalty=-2.0),
+                      dict(repetition_penalty=0.05), dict(presence_penalty=1.5)):
         sampling = SamplingParams(temperature=1.0, seed=seed, prompt_len=3, **penalties)
         host, _ = drafted_block(engine, history, k, sampling, False, monkeypatch)
         device, fed = drafted_block(engine, history, k, sampling, True, monkeypatch)
