@@ -12,6 +12,15 @@ from orchestrator import rating
 from orchestrator.adaptive import Costs, KController, LookupSizer
 
 
+class ServiceClient:
+    """A service client as the orchestrator reads it here: what GetInfo said (vocabulary size
+    0: unknown, as from a service that does not say; the tokenizer's then)."""
+
+    def __init__(self):
+        from specdec.wire import specdec_pb2 as pb
+
+        self.info = pb.ModelInfo(forward_ms=CURVE, vocab_size=0, drafter="model")
+
 def test_rejection_sampled_requests_keep_the_calibrated_costs():
     """Under the rejection rule k changes a seeded request's text, so k must not follow
     timings; greedy and coupled-sampled requests (k cannot change their text) use live costs."""
@@ -19,13 +28,7 @@ def test_rejection_sampled_requests_keep_the_calibrated_costs():
     from orchestrator.loop import Orchestrator
     from specdec.config import SamplingParams
 
-    class Info:
-        forward_ms = CURVE
-        vocab_size = 0  # unknown (as a service that does not say): the tokenizer's
-        drafter = "model"
-
-    class Client:
-        info = Info()
+    Client = ServiceClient
 
     orch = Orchestrator(Client(), Client(), tokenizer=None, eos_ids=[], max_context=512)
     for _ in range(50):
@@ -125,13 +128,7 @@ def test_a_generation_starting_under_load_starts_its_lookups_from_what_recent_on
     from orchestrator.loop import Orchestrator
     from specdec.config import SamplingParams
 
-    class Info:
-        forward_ms = CURVE
-        vocab_size = 0  # unknown (as a service that does not say): the tokenizer's
-        drafter = "model"
-
-    class Client:
-        info = Info()
+    Client = ServiceClient
 
     orch = Orchestrator(Client(), Client(), tokenizer=None, eos_ids=[], max_context=512)
     greedy = GenerationRequest([1], 8)
@@ -246,13 +243,7 @@ def test_on_shared_cores_a_lone_generation_starts_from_what_its_predecessors_saw
     from orchestrator.loop import Orchestrator
     from specdec.config import SamplingParams
 
-    class Info:
-        forward_ms = CURVE
-        vocab_size = 0  # unknown (as a service that does not say): the tokenizer's
-        drafter = "model"
-
-    class Client:
-        info = Info()
+    Client = ServiceClient
 
     def orchestrator(shared_cores: bool) -> Orchestrator:
         orch = Orchestrator(Client(), Client(), tokenizer=None, eos_ids=[], max_context=512,
