@@ -354,6 +354,8 @@ def test_the_device_verdict_path_serves_the_same_tokens_and_logprobs(tiny_servic
         for on_device in (False, True):
             monkeypatch.setattr(target_mod, "DEVICE_VERDICT_ON_CPU", on_device)
             answers[on_device] = verify(f"dev-{on_device}", [first, 17, 17])
+        for sid in ("own", "dev-False", "dev-True"):  # (the services are shared: leave none)
+            stub.CloseSession(pb.CloseRequest(session_id=sid), timeout=30)
     off, on = answers[False], answers[True]
     assert off.num_accepted >= 1 and (on.num_accepted, on.next_token) == \
         (off.num_accepted, off.next_token)

@@ -222,8 +222,8 @@ def _snapshot(service, at: int, seen: dict):
 
 def test_features_reach_the_draft_exactly(fservices, tiny_models):
     """Mid-generation, the draft's session holds the target's features of every position from
-    the prompt's last on, bit for bit the fp16 of what the target's engine computes for them
-    (one pass over the whole sequence: rows are the same in any pass)."""
+    the prompt's last on: the fp16 of what the target's engine computes for them in one pass
+    over the whole sequence."""
     from specdec.serving.engine import LlamaEngine
     from specdec.models.hub import load_hf_model
 
@@ -242,7 +242,10 @@ def test_features_reach_the_draft_exactly(fservices, tiny_models):
     _, ref = engine.forward_features([engine.new_cache()], [torch.tensor(tokens)],
                                      [len(tokens)])
     ref = ref[0][seen["start"]:seen["start"] + n].half().float()
-    assert torch.equal(seen["feats"], ref), (seen["feats"] - ref).abs().max()
+    # float numerics: the kernel a row count runs on is chosen by timing, so two passes may
+    # differ by a float32 ulp, which can round to the next float16 (the real pair's test, in
+    # integer numerics, asserts bit for bit)
+    torch.testing.assert_close(seen["feats"], ref, rtol=2e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["spec", "pipelined"])
@@ -300,6 +303,8 @@ def test_target_returns_the_positions_it_adds(fservices):
         assert len(r3.decoded) == 3
         assert r3.features.start == r2.cache_len
         assert len(r3.features.data) // 128 == r3.cache_len - r2.cache_len == 4
+        for sid in ("tf-plain", "tf"):  # (the target is shared: leave no session)
+            stub.CloseSession(pb.CloseRequest(session_id=sid), timeout=30)
 
 
 def test_bad_features_are_refused_and_the_draft_goes_on(fservices):
@@ -332,11 +337,12 @@ def test_bad_features_are_refused_and_the_draft_goes_on(fservices):
         with pytest.raises(grpc.RpcError) as err:  # a gap: positions 6.. missing
             propose("good", rows(7, 1), prefix=7, toks=tokens + [3, 4])
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        # a plain draft ignores them
-        plain = pb_grpc.DraftServiceStub(grpc.insecure_channel(fservices["draft"].address))
+    with grpc.insecure_channel(fservices["draft"].address) as ch:  # a plain draft ignores them
+        plain = pb_grpc.DraftServiceStub(ch)
         assert len(plain.Propose(pb.DraftRequest(
             session=pb.SessionRef(session_id="p"), tokens=tokens, k=2, features=rows(5, 1)),
             timeout=30).tokens) == 2
+        plain.CloseSession(pb.CloseRequest(session_id="p"), timeout=30)  # (shared service)
 
 
 def test_pair_refuses_a_feature_draft_of_another_width(fservices):
