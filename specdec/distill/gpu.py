@@ -176,18 +176,22 @@ def generate(model, prompts: list[torch.Tensor], temperatures: list[float], eos:
     return records
 
 
-def _seconds_per_step(module, examples: distill.Examples, recipe: distill.Recipe, n: int = 12) -> float:
-    """Time a few training steps on a throwaway copy (to size the run to its budget)."""
+def _training_steps(module, train_steps, n_examples: int, batch: int, train_seconds: float,
+                    max_epochs: float, n: int = 12) -> tuple[int, float, float]:
+    """Size a run to its budget: ``train_steps(copy, steps)`` trains a throwaway copy of
+    ``module`` for a few timed steps. Returns (steps: at least 20, seconds a step, epochs)."""
     probe = copy.deepcopy(module)
-    trial = dataclasses.replace(recipe, steps=n, warmup=1)
-    distill.train(probe, examples, trial, None)  # first steps include warm-up
+    train_steps(probe, n)  # first steps include warm-up
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t0 = time.time()
-    distill.train(probe, examples, trial, None)
+    train_steps(probe, n)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return (time.time() - t0) / n
+    per_step = (time.time() - t0) / n
+    epoch_steps = max(1, n_examples // batch)
+    steps = max(20, int(min(train_seconds / per_step, max_epochs * epoch_steps)))
+    return steps, per_step, steps / epoch_steps
 
 
 def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float, batch: int,
@@ -223,51 +227,46 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
         figures, saved = _train_feature(model, records, vocab_map, recipe, train_seconds,
                                         max_epochs, device)
         torch.save(saved, out / FEATURE_FILE)
-        card = {"kind": FEATURE, "recipe": saved["recipe"], "training": figures,
-                "data": {"answers": len(records), "target_tokens": n_tokens,
-                         "prompts": len(data["prompts"]), "prompt_set": data["prompt_set"],
-                         "temperatures": temperatures, "max_new_tokens": max_new},
-                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                "run_command": "python -m specdec.distill.gpu " + " ".join(sys.argv[1:]),
-                "time_s": {"load": round(t_loaded - t_start, 1),
-                           "data": round(t_data - t_loaded, 1),
-                           "train": round(time.time() - t_data, 1)}}
-        (out / RESULT_FILE).write_text(json.dumps(card, indent=2) + "\n")
-        print(json.dumps(card, indent=2), flush=True)
-        return card
-    examples = distill.Examples(records, vocab_map, vocab_size, recipe.max_len)
-    held_ex = distill.Examples(held, vocab_map, vocab_size, recipe.max_len)
-    module, arch = distill.init_from_target(recipe, vocab_map, model)  # no second load
-    module.to(device)
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    per_step = _seconds_per_step(module, examples, recipe)
-    epoch_steps = max(1, len(examples) // recipe.batch)
-    steps = int(min(train_seconds / per_step, max_epochs * epoch_steps))
-    recipe = dataclasses.replace(recipe, steps=max(steps, 20))
-    print(f"training: {recipe.steps} steps of {recipe.batch} ({per_step * 1000:.0f} ms/step, "
-          f"{recipe.steps / epoch_steps:.2f} epochs)", flush=True)
-    figures = distill.train(module, examples, recipe, None, held_ex, eval_every=eval_every)
+        card = {"kind": FEATURE, "recipe": saved["recipe"], "data": {}}
+    else:
+        examples = distill.Examples(records, vocab_map, vocab_size, recipe.max_len)
+        held_ex = distill.Examples(held, vocab_map, vocab_size, recipe.max_len)
+        module, arch = distill.init_from_target(recipe, vocab_map, model)  # no second load
+        module.to(device)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        steps, per_step, epochs = _training_steps(
+            module, lambda m, n: distill.train(m, examples, dataclasses.replace(
+                recipe, steps=n, warmup=1), None),
+            len(examples), recipe.batch, train_seconds, max_epochs)
+        recipe = dataclasses.replace(recipe, steps=steps)
+        print(f"training: {steps} steps of {recipe.batch} ({per_step * 1000:.0f} ms/step, "
+              f"{epochs:.2f} epochs)", flush=True)
+        figures = distill.train(module, examples, recipe, None, held_ex, eval_every=eval_every)
+        weights = {k: v.detach().cpu().to(torch.float16) for k, v in module.canonical().items()}
+        torch.save({k: v for k, v in weights.items() if k.startswith("layers.")},
+                   out / WEIGHT_FILES[0])
+        torch.save({k: v for k, v in weights.items() if not k.startswith("layers.")}
+                   | {"vocab_map": vocab_map.to(torch.int32)}, out / WEIGHT_FILES[1])
+        card = {
+            "recipe": {k: (list(v) if isinstance(v, tuple) else v)
+                       for k, v in vars(recipe).items()},
+            "arch": dataclasses.asdict(arch),
+            "data": {"vocab_coverage_train": round(distill.coverage(records, vocab_map), 4),
+                     "vocab_coverage_held_out": round(distill.coverage(held, vocab_map), 4)},
+        }
     t_train = time.time()
-    weights = {k: v.detach().cpu().to(torch.float16) for k, v in module.canonical().items()}
-    torch.save({k: v for k, v in weights.items() if k.startswith("layers.")}, out / WEIGHT_FILES[0])
-    torch.save({k: v for k, v in weights.items() if not k.startswith("layers.")}
-               | {"vocab_map": vocab_map.to(torch.int32)}, out / WEIGHT_FILES[1])
-    card = {
-        "recipe": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(recipe).items()},
-        "arch": dataclasses.asdict(arch),
-        "data": {"answers": len(records), "target_tokens": n_tokens,
-                 "prompts": len(data["prompts"]), "prompt_set": data["prompt_set"],
-                 "temperatures": temperatures, "max_new_tokens": max_new,
-                 "vocab_coverage_train": round(distill.coverage(records, vocab_map), 4),
-                 "vocab_coverage_held_out": round(distill.coverage(held, vocab_map), 4)},
+    card["data"] = {"answers": len(records), "target_tokens": n_tokens,
+                    "prompts": len(data["prompts"]), "prompt_set": data["prompt_set"],
+                    "temperatures": temperatures, "max_new_tokens": max_new, **card["data"]}
+    card.update({
         "training": figures,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "run_command": "python -m specdec.distill.gpu " + " ".join(sys.argv[1:]),
         "time_s": {"load": round(t_loaded - t_start, 1), "data": round(t_data - t_loaded, 1),
                    "train": round(t_train - t_data, 1)},
-    }
+    })
     (out / RESULT_FILE).write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card, indent=2), flush=True)
     return card
@@ -287,16 +286,13 @@ def _train_feature(model, records: list[dict], vocab_map: torch.Tensor, recipe: 
     draft = fm.init_from_target(frecipe, vocab_map, scale, model=model).to(device)
     examples = fd.FeatureExamples(vocab_map, int(model.config.vocab_size), frecipe.max_answer)
     examples.add(records)
-    probe = copy.deepcopy(draft)  # size the run to its budget: a few timed steps
-    fd.train(probe, examples, dataclasses.replace(frecipe, steps=3, warmup=1), progress=False)
-    t0 = time.time()
-    fd.train(probe, examples, dataclasses.replace(frecipe, steps=6, warmup=1), progress=False)
-    per_step = (time.time() - t0) / 6
-    epoch_steps = max(1, len(examples) // frecipe.batch)
-    steps = max(20, int(min(train_seconds / per_step, max_epochs * epoch_steps)))
+    steps, per_step, epochs = _training_steps(
+        draft, lambda m, n: fd.train(m, examples, dataclasses.replace(frecipe, steps=n, warmup=1),
+                                     progress=False),
+        len(examples), frecipe.batch, train_seconds, max_epochs)
     frecipe = dataclasses.replace(frecipe, steps=steps)
     print(f"feature draft: {steps} steps of {frecipe.batch} ({per_step * 1000:.0f} ms/step, "
-          f"{steps / epoch_steps:.2f} epochs)", flush=True)
+          f"{epochs:.2f} epochs)", flush=True)
     figures = fd.train(draft, examples, frecipe)
     state = {k: v.detach().cpu().to(torch.float16) if v.is_floating_point() else v.cpu()
              for k, v in draft.state_dict().items()}
@@ -329,6 +325,7 @@ def finish(out: pathlib.Path, draft_out: pathlib.Path, target: str, command: str
     (out / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     print(json.dumps(card["held_out"], indent=2))
     return card
+
 
 def _finish_feature(out: pathlib.Path, draft_out: pathlib.Path, target: str, command: str,
                     card: dict) -> dict:
@@ -418,4 +415,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
-

@@ -114,9 +114,11 @@ def _weights(meta: dict, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return weights
 
 
-def load_weights(path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(meta, float32-exact weights by canonical name)."""
-    meta, tensors = load_stored(path)
+def load_weights(path, stored: tuple[dict, dict[str, torch.Tensor]] | None = None,
+                 ) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, float32-exact weights by canonical name); ``stored``: ``load_stored(path)``
+    where the caller has read it already."""
+    meta, tensors = stored or load_stored(path)
     return meta, _weights(meta, tensors)
 
 

@@ -274,9 +274,10 @@ def save_draft(path, draft: FeatureDraft, target: str, card: dict) -> None:
                      meta_extra={"kind": draft_model.FEATURE, "feature_out": draft.feature_out})
 
 
-def load_draft(path) -> FeatureDraft:
-    """A feature draft directory (``save_draft``) as the module, its weights as stored."""
-    meta, weights = draft_model.load_weights(path)
+def load_draft(path, stored: tuple[dict, dict] | None = None) -> FeatureDraft:
+    """A feature draft directory (``save_draft``) as the module, its weights as stored
+    (``stored``: ``draft_model.load_stored(path)``, where already read)."""
+    meta, weights = draft_model.load_weights(path, stored)
     if meta.get("kind") != draft_model.FEATURE:
         raise ValueError(f"{path}: not a feature draft (kind {meta.get('kind')!r})")
     draft = FeatureDraft(ArchConfig(**meta["arch"]), weights.pop("embed").float(),

@@ -129,6 +129,7 @@ class DraftWork(Work):
         self._on_device: list[torch.Tensor] | None = \
             [] if on_device and not s.grammar else None
         self._race_ids = None  # the coupled race's token ids, on the device (reduced head)
+        self._committed = None  # penalized on the device: the committed tokens, there
 
     def start(self) -> None:
         super().start()
@@ -168,9 +169,11 @@ class DraftWork(Work):
         if self._on_device is not None:
             logits = logits[-1:]
             if self.call.sampling.penalized:  # over the drafted tokens still on the device
-                committed = torch.tensor(self.session.tokens[: self.call.prefix_len] +
-                                         self.call.tokens, device=logits.device)
-                logits = self._penalized(logits, torch.cat([committed, *self._on_device]))
+                if self._committed is None:  # (copied there once a call)
+                    self._committed = torch.tensor(
+                        self.session.tokens[: self.call.prefix_len] + self.call.tokens,
+                        device=logits.device)
+                logits = self._penalized(logits, torch.cat([self._committed, *self._on_device]))
             logits = bias_logits(logits, self.call.sampling, self.engine.vocab_in,
                                  self.engine.vocab_map)
             self._on_device.append(self.engine.token_ids(self._device_choice(logits)))  # [1]

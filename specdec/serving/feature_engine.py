@@ -131,9 +131,9 @@ class _Rows:
     """A session's rows to compute in a forward: from token position ``next`` to its end."""
 
     cache: FeatureCache
-    wanted: int  # logits asked for (the last positions)
+    out: torch.Tensor  # [wanted, vocab_out]: the logits asked for (the last positions)
     next: int
-    logits: list = dataclasses.field(default_factory=list)
+    logits: list = dataclasses.field(default_factory=list)  # of the rows computed
 
 
 class FeatureEngine:
@@ -195,11 +195,12 @@ class FeatureEngine:
         stored int8 matrices stream as they are, as a plain draft's do."""
         from specdec.models import draft_model, feature_model
 
+        stored = draft_model.load_stored(path)  # read once: the module's weights and codes
         codes = None
         if torch.device(device).type == "cpu" and dtype in (None, torch.float32):
-            codes = draft_model.stored_codes(draft_model.load_stored(path)[1])
-        return cls.from_module(feature_model.load_draft(path), device, kernels, numerics, codes,
-                               dtype)
+            codes = draft_model.stored_codes(stored[1])
+        return cls.from_module(feature_model.load_draft(path, stored), device, kernels,
+                               numerics, codes, dtype)
 
     token_ids = LlamaEngine.token_ids
     full_vocab_logits = LlamaEngine.full_vocab_logits
@@ -224,7 +225,7 @@ class FeatureEngine:
             cache.tokens += toks.tolist()
             out.append(torch.zeros(n, self.vocab_out, device=self.device))
             if n:
-                todo.append(_Rows(cache, n, self._first_row(cache, n)))
+                todo.append(_Rows(cache, out[-1], self._first_row(cache, n)))
         known = []
         for r in todo:  # the leading rows whose features the target sent
             c = r.cache
@@ -241,11 +242,11 @@ class FeatureEngine:
             if not step:
                 break
             self._pass(step, true=False)
-        for r, logits in zip(todo, (out[i] for i, n in enumerate(num_logits) if n)):
-            got = torch.cat(r.logits) if r.logits else logits[:0]
-            take = min(r.wanted, got.shape[0])
+        for r in todo:
+            got = torch.cat(r.logits) if r.logits else r.out[:0]
+            take = min(r.out.shape[0], got.shape[0])
             if take:
-                logits[r.wanted - take:] = got[got.shape[0] - take:]
+                r.out[r.out.shape[0] - take:] = got[got.shape[0] - take:]
         return out
 
     def forward_features(self, caches, tokens, num_logits, num_features=None):
