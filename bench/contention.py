@@ -44,9 +44,9 @@ def _worker(spec: str, cores: list[int], conn, loop_rows: int, stop) -> None:
 
     os.sched_setaffinity(0, cores)
     torch.set_num_threads(len(cores))
-    from specdec.models.loading import load_engine
+    from specdec.models.loading import load_draft_engine
 
-    engine = load_engine(spec, torch.device("cpu"))[0]
+    engine = load_draft_engine(spec, torch.device("cpu"))[0]  # a feature draft too
     timer = engine.forward_timer()
     timer(1)  # warm
     conn.send(("ready", sorted(os.sched_getaffinity(0))))

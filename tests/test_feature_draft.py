@@ -222,3 +222,52 @@ def test_training_resumes_from_checkpoint(tmp_path):
     assert figures2["rows_seen"] == 0
     for k, v in draft2.state_dict().items():
         assert torch.equal(v, saved[k]), k
+
+
+def test_the_lever_studys_baseline_is_the_feature_draft_and_its_taps_start_from_it():
+    """bench/feature_levers.py scores variants against a baseline: with one tap its draft reads
+    its input exactly as the feature draft does; with three, a fresh fc starts as that draft,
+    and a chained row (its own final feature only) reads the other taps as their means."""
+    from bench.feature_levers import LeverDraft
+
+    draft = tiny_draft(7)
+    scale = float(draft.feature_scale)
+    feats, tokens = torch.randn(2, 5, HIDDEN) * 1.5, torch.randint(0, VOCAB, (2, 5))
+
+    def lever(mean, std):
+        d = LeverDraft(draft.arch, draft.embed, draft.vocab_map, scale)
+        d.load_state_dict(draft.state_dict(), strict=False)
+        d.use_taps(mean, std)
+        return d.eval()
+
+    one = lever(torch.zeros(1, HIDDEN), torch.full((1, HIDDEN), scale))
+    with torch.no_grad():
+        assert torch.allclose(one.rows(feats, tokens), draft.rows(feats, tokens), atol=1e-6)
+        mean, std = torch.randn(3, HIDDEN), torch.rand(3, HIDDEN) + 0.5
+        mean[2], std[2] = 0.0, scale
+        three = lever(mean, std)
+        full = torch.cat([mean[0].expand(2, 5, -1), mean[1].expand(2, 5, -1), feats], -1)
+        assert torch.equal(three.rows(feats, tokens), three.rows(full, tokens))
+        assert torch.allclose(three.rows(feats, tokens), draft.rows(feats, tokens), atol=1e-5)
+        moved = full.clone()
+        moved[..., :HIDDEN] += 1.0  # the low tap read: the rows change
+        assert not torch.allclose(three.rows(moved, tokens), three.rows(full, tokens))
+
+
+def test_the_lever_studys_final_rows_are_the_engines_features():
+    """The study's tapped pass (the engine's per-layer native path) gives, as its last tap,
+    exactly the features the target service sends, for records of different lengths batched."""
+    from bench.feature_levers import tapped_features
+    from specdec.models.loading import load_engine
+
+    engine, _, _ = load_engine("default", torch.device("cpu"))
+    if engine.native is None:
+        pytest.skip("the study's pass runs on specdec's native kernels")
+    records = [dict(prompt=torch.tensor([1, 520, 3300, 12]), answer=torch.tensor([99, 7, 8, 9])),
+               dict(prompt=torch.tensor([1, 42]), answer=torch.tensor([5, 6, 7, 8, 9, 10, 11]))]
+    for r, full in zip(records, tapped_features(engine, records)):
+        seq = torch.cat([r["prompt"], r["answer"][:-1]])
+        _, ref = engine.forward_features([engine.new_cache()], [seq], [len(seq)])
+        assert full.shape == (len(seq), 3, engine.arch.hidden_size)
+        assert torch.equal(full[:, 2], ref[0].half())
+        assert not torch.equal(full[:, 0], full[:, 1]) and torch.isfinite(full.float()).all()

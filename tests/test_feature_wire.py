@@ -103,6 +103,18 @@ def test_engine_rows_are_the_models_teacher_forced_rows(fdraft_dir):
     assert cache.row_start == s + 1 and cache.true_rows == 10
 
 
+def test_the_split_cores_probe_times_a_feature_draft(fdraft_dir, tiny_models):
+    """``specdec bench --split`` first times each side alone and beside the other
+    (``bench.contention``): a feature draft loads there as its FeatureEngine, as the draft
+    service loads it (it was refused as "not a model engine")."""
+    from bench import contention
+
+    m = contention.main(["--target", tiny_models["target"], "--draft", fdraft_dir,
+                         "--split", "1:0", "--rows", "1,3", "--reps", "3"])
+    assert m["draft_alone"] > 0 and m["draft_with_target"] > 0
+    assert set(m["target_with_draft"]) == {1, 3}
+
+
 def test_provisional_rows_are_computed_again_when_the_features_come(fdraft_dir):
     """Rows drafted on the draft's own predictions (the block in flight) are replaced by rows
     on the target's features once they arrive: the next logits equal a cache that had the

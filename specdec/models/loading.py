@@ -52,6 +52,21 @@ def load_engine(spec: str, device: torch.device, kernels: str = "auto",
     return engine, tokenizer, model.config
 
 
+def load_draft_engine(spec: str, device: torch.device, kernels: str = "auto",
+                      numerics: str = DEFAULT_NUMERICS, dtype: torch.dtype | None = None):
+    """``load_engine``, and for a feature-conditioned draft directory (EAGLE-style: it reads
+    the target's features) its ``FeatureEngine`` with its target's tokenizer (hf_config None)."""
+    from specdec.models import draft_model
+
+    if not draft_model.is_feature_draft(spec):
+        return load_engine(spec, device, kernels, numerics, dtype)
+    from specdec.models.hub import load_tokenizer
+    from specdec.serving.feature_engine import FeatureEngine
+
+    engine = FeatureEngine.load(spec, device, kernels, numerics, dtype)
+    return engine, load_tokenizer(draft_model.read_meta(spec)["target"]), None
+
+
 def check_architecture(spec: str) -> ArchConfig:
     """The engine's architecture for a Hugging Face / GGUF / default model spec, from its
     config.json alone; ValueError naming what specdec cannot run exactly (never approximately)."""
@@ -126,22 +141,12 @@ def build_draft(config: ServiceConfig, target: str = "default", q_top_k: int = 6
         )
         return DraftRuntime(config, info, None, tokenizer=tokenizer)
     device = pick_device(config.device)
-    from specdec.models import draft_model
-
-    if draft_model.is_feature_draft(spec):  # reads the target's features (EAGLE-style)
-        from specdec.models.hub import load_tokenizer
-        from specdec.serving.feature_engine import FeatureEngine
-
-        engine = FeatureEngine.load(spec, device, config.kernels, config.numerics,
-                                    pick_dtype(config.dtype, device))
-        tokenizer, hf_config = load_tokenizer(draft_model.read_meta(spec)["target"]), None
-    else:
-        engine, tokenizer, hf_config = load_engine(spec, device, config.kernels,
-                                                   config.numerics,
-                                                   pick_dtype(config.dtype, device))
+    engine, tokenizer, hf_config = load_draft_engine(spec, device, config.kernels,
+                                                     config.numerics,
+                                                     pick_dtype(config.dtype, device))
     return DraftRuntime(config, _model_info(config, engine, tokenizer, hf_config), engine,
                         q_top_k=q_top_k, tokenizer=tokenizer)
 
 
-__all__ = ["build_target", "build_draft", "resolve_model_dir", "split_quantization", "NGRAM",
-           "DEFAULT_DRAFT", "INT8"]
+__all__ = ["build_target", "build_draft", "load_engine", "load_draft_engine", "resolve_model_dir",
+           "split_quantization", "NGRAM", "DEFAULT_DRAFT", "INT8"]
