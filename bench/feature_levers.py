@@ -221,7 +221,6 @@ def train(args) -> None:
     from specdec.models.hub import load_hf_model
     from specdec.models.tokenizer import eos_token_ids
 
-    torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     levers = pathlib.Path(args.levers)
     recipe = FeatureRecipe(batch=args.batch, steps=args.steps, seed=args.seed)
@@ -291,6 +290,7 @@ def train(args) -> None:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.feature_levers", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (both steps)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     ex = sub.add_parser("extract", help="add the tapped features to distill --features shards")
     ex.add_argument("--data", required=True)
@@ -308,9 +308,8 @@ def main(argv=None) -> None:
     tr.add_argument("--batch", type=int, default=16)
     tr.add_argument("--eval-every", type=int, default=200)
     tr.add_argument("--seed", type=int, default=0)
-    tr.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     {"extract": extract, "train": train}[args.cmd](args)
 
 
