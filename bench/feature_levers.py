@@ -27,7 +27,9 @@ Two steps, both resumable (a finished shard is skipped, a finished variant too):
 ``extract`` adds to each record of a ``specdec distill --features`` shard ``full`` [prompt +
 answer - 1, 3, hidden] float16: the residual after layers 2 and 14 and the final norm's output
 at every position of prompt + answer[:-1], from one teacher-forced pass of specdec's engine
-(its final rows equal the shard's stored features bit for bit; it checks).
+(its final rows equal the shard's stored features bit for bit; it checks). The product's own
+route to such data is ``specdec distill --features --feature-layers 2,14`` (answers only),
+and ``specdec distill-feature train --feature-layers 2,14`` trains the served draft on it.
 """
 
 from __future__ import annotations
@@ -58,25 +60,14 @@ TOP = 32
 @torch.inference_mode()
 def tapped_features(engine, records: list[dict]) -> list[torch.Tensor]:
     """Per record [prompt + answer - 1, 3, hidden] float16 (see the module docstring), from
-    one pass of the engine's per-layer native path (the ops of its whole-stack call)."""
-    caches = [engine.new_cache() for _ in records]
+    one pass of the engine with the layers tapped (``forward_features(layers=TAPS)``, what
+    the target service runs for VerifyRequest.feature_layers)."""
+    from specdec.serving.feature_engine import half_features
+
     feeds = [torch.cat([r["prompt"], r["answer"][:-1]]).long() for r in records]
-    p = engine._layout(caches, feeds)
-    x = engine.embed[p.flat]  # [N, hidden]
-    if engine.embed_scale is not None:
-        x = x * engine.embed_scale
-    x = x.contiguous()
-    delta, taps = None, {}
-    for li, layer in enumerate(engine.layers):
-        delta = engine._native_block(x, delta, li, layer, caches, p)
-        if li in TAPS:
-            taps[li] = (x + delta).half()
-    x += delta
-    final = torch.empty_like(x)
-    engine.native.sd_add_rms_norm(x.data_ptr(), None, engine.norm.data_ptr(), final.data_ptr(),
-                                  x.shape[0], x.shape[1], engine.arch.rms_norm_eps)
-    full = torch.stack([taps[TAPS[0]], taps[TAPS[1]], final.half()], 1)  # [N, 3, hidden]
-    return list(full.split(p.sizes))
+    _, rows = engine.forward_features([engine.new_cache() for _ in records], feeds,
+                                      [0] * len(feeds), [len(f) for f in feeds], layers=TAPS)
+    return [half_features(r).unflatten(1, (len(TAPS) + 1, -1)) for r in rows]
 
 
 def extract(args) -> None:

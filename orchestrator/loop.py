@@ -110,6 +110,7 @@ class Orchestrator:
         # A feature-conditioned draft reads the target's features: every verify asks for
         # them (from the prompt's last position on) and the draft's calls pass them on.
         self.features = bool(draft is not None and draft.info and draft.info.features)
+        self.feature_layers = list(draft.info.feature_layers) if self.features else []
 
     def _calibrated_costs(self, kind: type[Costs] = Costs) -> Costs:
         """Costs from the services' start-up calibration (GetInfo.forward_ms)."""
@@ -283,7 +284,7 @@ class Orchestrator:
             prompt_logprobs=req.prompt_logprobs and first,
             decode_on=decode_on, stop_ids=self.eos_ids if decode_on else (),
             features_from=max(len(req.prompt_ids) - 1, 0) if history.features is not None
-            else None,
+            else None, feature_layers=self.feature_layers,
         )
         rec.after_draft = block.source is Source.DRAFT  # (not a pipelined hit, lookup or none)
         self._record(stats, rec)

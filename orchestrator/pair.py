@@ -26,11 +26,14 @@ def check_pair(target_info, draft_info, tokenizer_fp: str | None = None) -> None
     """Raise TokenizerMismatch naming both models when their tokenizers differ, and
     FeatureMismatch when a feature draft cannot read the target's features."""
     if draft_info is not None and draft_info.features and \
-            draft_info.feature_dim != target_info.feature_dim:
+            draft_info.feature_dim != target_info.feature_dim * (1 + len(draft_info.feature_layers)):
+        layers = f" (its final feature and layers {list(draft_info.feature_layers)})" \
+            if draft_info.feature_layers else ""
         raise FeatureMismatch(
-            f"draft model {draft_info.model!r} reads features of width {draft_info.feature_dim}, "
-            f"target model {target_info.model!r} gives {target_info.feature_dim or 'none'}: "
-            "a feature draft is trained for one target")
+            f"draft model {draft_info.model!r} reads features of width {draft_info.feature_dim}"
+            f"{layers}, target model {target_info.model!r} gives "
+            f"{target_info.feature_dim or 'none'} a layer: a feature draft is trained for one "
+            "target")
     if draft_info is not None and draft_info.tokenizer_fingerprint != target_info.tokenizer_fingerprint:
         raise TokenizerMismatch(
             f"draft model {draft_info.model!r} and target model {target_info.model!r} have "

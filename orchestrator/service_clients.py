@@ -501,13 +501,14 @@ class TargetClient(ServiceClient):
                      draft_dists, sampling: SamplingParams, request_id: str = "",
                      logprobs: int | None = None, prompt_logprobs: bool = False,
                      decode_on: int = 0, stop_ids: Iterable[int] = (),
-                     features_from: int | None = None,
+                     features_from: int | None = None, feature_layers: Iterable[int] = (),
                      ) -> tuple[pb.VerifyResponse, CallRecord]:
         """Verify a block. A lost session is re-prefilled; a call that fails while the target
         still serves (a dropped connection) is sent again; a target that is down (dead,
         restarting, loading) fails the call with UNAVAILABLE at once, or after waiting up to
         ``unavailable_deadline_s`` for it to come back. ``features_from``: ask for the
-        target's features of the positions the call adds from there on (a feature draft)."""
+        target's features of the positions the call adds from there on (a feature draft),
+        with the residual after ``feature_layers`` (the draft's ModelInfo.feature_layers)."""
         deadline = time.monotonic() + self.unavailable_deadline_s
         backoff = 0.05
         lost_retries = transient_retries = 0
@@ -528,7 +529,8 @@ class TargetClient(ServiceClient):
                                    top_logprobs=logprobs or 0, prompt_logprobs=prompt_logprobs,
                                    decode_on=decode_on, stop_ids=list(stop_ids),
                                    return_features=features_from is not None,
-                                   features_from=features_from or 0)
+                                   features_from=features_from or 0,
+                                   feature_layers=list(feature_layers))
             start = time.perf_counter()
             timeout_s = self.call_timeout_s(len(tokens) + decode_on)
             try:

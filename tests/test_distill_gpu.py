@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import hf_greedy
 
@@ -93,9 +94,39 @@ def test_answers_keep_the_features_the_engine_gives(tiny_models):
         torch.testing.assert_close(r["features"].float(), feats[0], atol=2e-2, rtol=1e-2)
 
 
-def test_prepare_run_finish_builds_an_evaluated_feature_draft(tmp_path, tiny_models):
+def test_answers_keep_the_layers_the_engine_taps(tiny_models):
+    """With feature layers, each answer token's record also holds the residual after those
+    layers (``taps``, hooks on transformers' decoder layers), as specdec's engine taps them,
+    and the same final features as without."""
+    from specdec.distill.gpu import answer_batch
+    from specdec.models.hub import load_hf_model
+    from specdec.serving.engine import LlamaEngine
+
+    model, _ = load_hf_model(tiny_models["target"])
+    prompts = [torch.tensor(p, dtype=torch.int32) for p in ([5, 17, 99, 3], [42] * 9)]
+    temps = torch.tensor([0.0, 0.0])
+    args = (model, prompts, temps, [0], 0, 12, 8)
+    plain = answer_batch(*args, torch.Generator().manual_seed(0), features=True)
+    recs = answer_batch(*args, torch.Generator().manual_seed(0), features=True,
+                        feature_layers=(0, 1))
+    assert not model.model.layers[0]._forward_hooks  # (the hooks are removed)
+    engine = LlamaEngine.from_hf(model, numerics="float")
+    hidden = model.config.hidden_size
+    for p, r, q in zip(prompts, recs, plain):
+        n = len(r["answer"])
+        assert torch.equal(r["answer"], q["answer"]) and torch.equal(r["features"], q["features"])
+        assert r["taps"].shape == (n, 2, hidden) and r["tap_layers"].tolist() == [0, 1]
+        seq = torch.cat([p, r["answer"][:-1]]).long()
+        _, rows = engine.forward_features([engine.new_cache()], [seq], [n], layers=(0, 1))
+        torch.testing.assert_close(r["taps"].float(), rows[0][:, :2 * hidden].view(n, 2, hidden),
+                                   atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("layers", ["", "0"])
+def test_prepare_run_finish_builds_an_evaluated_feature_draft(tmp_path, tiny_models, layers):
     """``run --kind feature``: the data keeps features, the feature draft trains on them;
-    ``finish`` writes a servable feature draft and its held-out figures."""
+    ``finish`` writes a servable feature draft and its held-out figures (with
+    ``--feature-layers``, a draft that reads those layers too)."""
     from specdec.models import draft_model
     from specdec.serving.feature_engine import FeatureEngine
 
@@ -105,7 +136,8 @@ def test_prepare_run_finish_builds_an_evaluated_feature_draft(tmp_path, tiny_mod
          "--heldout-prompts", "2", "--max-new-tokens", "12")
     step("run", "--out", str(work), "--target", target, "--kind", "feature", "--gen-seconds",
          "120", "--train-seconds", "5", "--gen-batch", "4", "--max-new-tokens", "12",
-         "--temperatures", "0,1", "--vocab", "600", "--batch", "4", "--warmup", "2")
+         "--temperatures", "0,1", "--vocab", "600", "--batch", "4", "--warmup", "2",
+         "--feature-layers", layers)
     card = json.loads((work / "gpu-card.json").read_text())
     assert card["kind"] == "feature" and card["data"]["answers"] == 12
     assert card["training"]["steps"] >= 20
@@ -115,6 +147,7 @@ def test_prepare_run_finish_builds_an_evaluated_feature_draft(tmp_path, tiny_mod
     assert held["rows"] > 0 and 0.0 <= held["step_agreement"]["step1"] <= 1.0
     engine = FeatureEngine.load(work / "draft")
     cache = engine.new_cache()
-    cache.add_features(2, torch.randn(1, engine.hidden))
+    assert engine.feature_width == engine.hidden * (1 + len(layers))
+    cache.add_features(2, torch.randn(1, engine.feature_width))
     logits = engine.forward([cache], [torch.tensor([1, 2, 3, 4])], [1])[0]
     assert logits.shape == (1, engine.vocab_out) and torch.isfinite(logits).all()

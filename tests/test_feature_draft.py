@@ -255,7 +255,7 @@ def test_the_lever_studys_baseline_is_the_feature_draft_and_its_taps_start_from_
 
 
 def test_the_lever_studys_final_rows_are_the_engines_features():
-    """The study's tapped pass (the engine's per-layer native path) gives, as its last tap,
+    """The study's tapped pass (the engine's, layers tapped) gives, as its last tap,
     exactly the features the target service sends, for records of different lengths batched."""
     from bench.feature_levers import tapped_features
     from specdec.models.loading import load_engine

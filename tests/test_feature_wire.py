@@ -372,11 +372,14 @@ def test_pair_refuses_a_feature_draft_of_another_width(fservices):
 # -- the real pair ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def real_feature_pair(tmp_path_factory):
+@pytest.fixture(scope="module", params=["", "2,14"], ids=["final", "layers"])
+def real_feature_pair(request, tmp_path_factory):
     """The default target's service and a feature draft trained (a few steps) on its own
     answers with features and exported through the CLI: what a user serves after
-    ``python -m specdec.distill.feature_draft train`` and ``export``."""
+    ``python -m specdec.distill.feature_draft train`` and ``export``; one reading the final
+    feature, one also the target's layers 2 and 14 (``--feature-layers``)."""
+    from specdec.models.feature_model import parse_layers
+
     from specdec.distill import feature_draft as fd
     from specdec.distill.cli import _engine_and_tokenizer
     from specdec.distill.data import load_shards, write_shards
@@ -386,17 +389,18 @@ def real_feature_pair(tmp_path_factory):
     engine, tokenizer, eos = _engine_and_tokenizer("default")
     shards = write_shards(engine, tokenizer, held_out_set("handwritten", 4), root / "data", eos,
                           max_new_tokens=24, batch_size=4, temperatures=(0.0,),
-                          prompts_per_shard=4, features=True)
+                          prompts_per_shard=4, features=True,
+                          feature_layers=parse_layers(request.param))
     assert all("features" in r for r in load_shards(shards))
     del engine
     fd.main(["train", "--data", str(root / "data"), "--out", str(root / "run"), "--steps", "2",
-             "--batch", "2", "--warmup", "1"])
+             "--batch", "2", "--warmup", "1", "--feature-layers", request.param])
     from orchestrator.cli import main as specdec  # the user's command
     assert specdec(["distill-feature", "export", "--out", str(root / "run"), "--draft-out",
                     str(root / "draft")]) == 0
     services = {"target": ServiceThread("target", "default"),
                 "fdraft": ServiceThread("draft", str(root / "draft"))}
-    yield services, root
+    yield services, root, parse_layers(request.param)
     for s in services.values():
         s.stop()
 
@@ -405,21 +409,25 @@ def real_feature_pair(tmp_path_factory):
 def test_real_pair_serves_the_trained_feature_draft(real_feature_pair):
     """The exported draft is the trained one; served beside the default target (integer
     numerics: a row is the same number in any pass) the draft holds the target's features
-    bit for bit, and greedy and coupled text is target-only's in spec and pipelined mode."""
+    bit for bit (with its layers' rows, where it reads them), and greedy and coupled text is
+    target-only's in spec and pipelined mode."""
     from specdec.distill import feature_draft as fd
     from specdec.models.hub import load_tokenizer
     from specdec.models.loading import load_engine
     from specdec.models.tokenizer import encode_prompt
 
-    services, root = real_feature_pair
+    services, root, layers = real_feature_pair
     trained, *_ = fd.trained(root / "run")
     served = fm.load_draft(root / "draft")
     for name, p in trained.params.items():  # int8 rows: within ~half a step (fp16 scales)
         step = p.detach().abs().amax(dim=-1, keepdim=True) / 127 if p.dim() == 2 else \
             1e-3 * p.abs().max()
         assert ((served.params[name] - p).abs() <= step * 0.6 + 1e-6).all(), name
+    assert torch.equal(served.tap_mean, trained.tap_mean)  # (float16 numbers: stored exactly)
+    assert torch.equal(served.tap_std, trained.tap_std)
     info = services["fdraft"].runtime.info
-    assert info.features and info.feature_dim == 576
+    assert info.features and info.feature_dim == 576 * (1 + len(layers))
+    assert list(info.feature_layers) == list(layers)
 
     tok = load_tokenizer("default")
     prompt = encode_prompt(tok, "Name three rivers in Europe and say where each one ends.",
@@ -436,7 +444,8 @@ def test_real_pair_serves_the_trained_feature_draft(real_feature_pair):
             assert got.stats.draft_failures == 0 and got.stats.num_drafts > 0
     engine, _, _ = load_engine("default", torch.device("cpu"))
     tokens = seen["tokens"]
-    _, ref = engine.forward_features([engine.new_cache()], [torch.tensor(tokens)], [len(tokens)])
+    _, ref = engine.forward_features([engine.new_cache()], [torch.tensor(tokens)], [len(tokens)],
+                                     layers=layers)
     n = seen["feats"].shape[0]
     assert seen["start"] == len(prompt) - 1 and n >= 5
     assert torch.equal(seen["feats"], ref[0][seen["start"]:seen["start"] + n].half().float())

@@ -34,6 +34,9 @@ def register(sub) -> None:
     d.add_argument("--features", action="store_true",
                    help="keep the target's feature of every answer position with the data "
                         "(for a feature-conditioned draft)")
+    d.add_argument("--feature-layers", default="",
+                   help="with --features: also the residual stream after these target layers "
+                        "(comma-separated, e.g. 2,14: a draft trained with --feature-layers)")
     d.add_argument("--answers", help="where each shard's answers (token ids only, ~4 bytes a "
                         "token) are kept; shards missing there are rebuilt from them by scoring "
                         "instead of generating (default: OUT/answers)")
@@ -103,20 +106,24 @@ def _engine_and_tokenizer(target: str):
 
 def held_out_records(target: str, work: pathlib.Path, n_prompts: int, max_new: int,
                      engine=None, tokenizer=None, eos=None, held_out: str = "templated",
-                     features: bool = False) -> list[dict]:
+                     features: bool = False, feature_layers: tuple[int, ...] = ()
+                     ) -> list[dict]:
     """The target's greedy answers to a held-out set's prompts (cached in WORK/heldout for the
     templated set, WORK/heldout-NAME for the others; with the target's ``features``, for a
-    feature draft, in WORK/heldout-NAME-features)."""
+    feature draft, in WORK/heldout-NAME-features, or WORK/heldout-NAME-features-2-14 with
+    those ``feature_layers``)."""
     from specdec.distill.data import load_shards, write_shards
     from specdec.distill.prompts import held_out_set
 
     if engine is None:
         engine, tokenizer, eos = _engine_and_tokenizer(target)
     cache = work / ("heldout" if held_out == "templated" and not features else
-                    f"heldout-{held_out}" + ("-features" if features else ""))
+                    f"heldout-{held_out}" + ("-features" if features else "") +
+                    "".join(f"-{x}" for x in feature_layers))
     shards = write_shards(engine, tokenizer, held_out_set(held_out, n_prompts),
                           cache, eos, max_new_tokens=max_new, batch_size=48,
-                          temperatures=(0.0,), prompts_per_shard=n_prompts, features=features)
+                          temperatures=(0.0,), prompts_per_shard=n_prompts, features=features,
+                          feature_layers=feature_layers)
     return load_shards(shards)
 
 
@@ -180,10 +187,14 @@ def cmd_distill(args) -> int:
                                         answers_dir / "prompts.jsonl", args.seed)
         else:
             convs = train_conversations(args.prompts, prompt_set=args.prompt_set)
+        from specdec.models.feature_model import parse_layers
+
         shards = write_shards(engine, tokenizer, convs,
                               work / "data", eos, max_new_tokens=args.max_new_tokens,
                               batch_size=args.gen_batch, temperatures=temps, seed=args.seed,
-                              features=args.features, answers_dir=answers_dir,
+                              features=args.features or bool(args.feature_layers),
+                              feature_layers=parse_layers(args.feature_layers),
+                              answers_dir=answers_dir,
                               identity=dict(target=args.target, prompt_set=args.prompt_set,
                                             prompts=args.prompts, temperatures=list(temps),
                                             seed=args.seed,

@@ -28,6 +28,7 @@ from tqdm import tqdm
 from specdec.config import SamplingParams
 from specdec.models.tokenizer import chat_prompt_ids
 from specdec.serving.engine import LlamaEngine
+from specdec.serving.feature_engine import half_features
 from specdec.serving.sampling import position_generator, process_logits, sample
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class Sequence:
     tokens: list[int] = dataclasses.field(default_factory=list)  # answer so far
     top_ids: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each [top_n]
     top_logprobs: list[torch.Tensor] = dataclasses.field(default_factory=list)
-    features: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each [hidden] fp16
+    features: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each [width]
     cache: object = None
 
 
@@ -53,11 +54,12 @@ def generate_answers(
     top_n: int,
     progress: tqdm | None = None,
     features: bool = False,
+    feature_layers: tuple[int, ...] = (),
 ) -> list[Sequence]:
     """Answer every (prompt ids, sampling) job with the target; continuous batching.
     ``features``: keep, for every answer token, the target's feature of the position that
     predicted it (``LlamaEngine.forward_features``; the last prompt position's for the
-    first), in float16."""
+    first), with the residual after ``feature_layers`` before it (``feature_record``)."""
     pending = [Sequence(prompt=p, sampling=s) for p, s in jobs]
     queue = list(pending)
     active: list[Sequence] = []
@@ -71,7 +73,7 @@ def generate_answers(
             for s in active
         ]
         logits, feats = engine.forward_features([s.cache for s in active], feed,
-                                                [1] * len(active))
+                                                [1] * len(active), layers=feature_layers)
         # every row's scores at once: per-row torch ops over the vocabulary cost more than the
         # forward pass's share at 96 rows (measured: ~25% of the data job)
         rows = torch.cat(logits)  # [n, vocab]
@@ -84,7 +86,7 @@ def generate_answers(
         still = []
         for i, (seq, ft) in enumerate(zip(active, feats)):
             if features:
-                seq.features.append(ft[0].to(torch.float16))
+                seq.features.append(half_features(ft[0]))
             seq.top_ids.append(top.indices[i].to(torch.int32))
             seq.top_logprobs.append(top.values[i].to(torch.float16))
             position = len(seq.prompt) + len(seq.tokens)
@@ -110,22 +112,36 @@ def _sampling_key(params: SamplingParams) -> tuple:
     return (params.temperature, params.top_k, params.top_p)
 
 
+def feature_record(rows: torch.Tensor, layers: tuple[int, ...], hidden: int) -> dict:
+    """A record's features from ``forward_features`` rows [answer_len, (len(layers) + 1) *
+    hidden]: ``features`` [answer_len, hidden] (the final feature) and, with ``layers``,
+    ``taps`` [answer_len, len(layers), hidden] and ``tap_layers``; float16 as the wire's."""
+    rows = half_features(rows)
+    out = {"features": rows[:, rows.shape[1] - hidden:]}
+    if layers:
+        out["taps"] = rows[:, : len(layers) * hidden].unflatten(1, (len(layers), hidden))
+        out["tap_layers"] = torch.tensor(list(layers), dtype=torch.int32)
+    return out
+
+
 def score_answers(engine: LlamaEngine, records: list[dict], top_n: int, features: bool,
-                  batch_size: int = 8) -> list[dict]:
-    """Fill in each record's scores (``top_ids``, ``top_logprobs``, ``features`` if asked)
-    by one teacher-forced pass over prompt + answer: the rows that predicted each answer token.
-    The same numbers generation keeps, up to float rounding of a different pass shape."""
+                  batch_size: int = 8, feature_layers: tuple[int, ...] = ()) -> list[dict]:
+    """Fill in each record's scores (``top_ids``, ``top_logprobs``, ``features`` if asked,
+    with ``feature_record``'s taps) by one teacher-forced pass over prompt + answer: the rows
+    that predicted each answer token. The same numbers generation keeps, up to float
+    rounding of a different pass shape."""
     for start in range(0, len(records), batch_size):
         part = records[start : start + batch_size]
         caches = [engine.new_cache() for _ in part]
         feeds = [torch.cat([r["prompt"], r["answer"][:-1]]).long() for r in part]
-        logits, feats = engine.forward_features(caches, feeds, [len(r["answer"]) for r in part])
+        logits, feats = engine.forward_features(caches, feeds, [len(r["answer"]) for r in part],
+                                                layers=feature_layers if features else ())
         for r, lg, ft in zip(part, logits, feats):
             top = lg.log_softmax(-1).topk(top_n)
             r["top_ids"] = top.indices.to(torch.int32)  # [answer_len, top_n]
             r["top_logprobs"] = top.values.to(torch.float16)
             if features:
-                r["features"] = ft.to(torch.float16)  # [answer_len, hidden]
+                r.update(feature_record(ft, feature_layers, engine.arch.hidden_size))
     return records
 
 
@@ -185,10 +201,11 @@ def write_shards(
     features: bool = False,
     answers_dir: pathlib.Path | None = None,
     identity: dict | None = None,
+    feature_layers: tuple[int, ...] = (),
 ) -> list[pathlib.Path]:
     """Generate answers for all conversations at every temperature; write shards (resumable).
     ``features``: each record also holds ``features`` [answer_len, hidden] (see
-    ``generate_answers``). ``answers_dir``: keep each shard's answers there too
+    ``generate_answers``), and with ``feature_layers`` ``taps`` (``feature_record``). ``answers_dir``: keep each shard's answers there too
     (``save_answers``), and where a shard is missing but its answers are there, score them
     instead of generating; ``identity`` (target, job list) is checked against what it holds."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -218,13 +235,14 @@ def write_shards(
             part = jobs[start : start + chunk]
             if kept is not None and kept.exists():
                 bar.set_description("scoring kept answers")
-                records = score_answers(engine, load_answers(kept), top_n, features)
+                records = score_answers(engine, load_answers(kept), top_n, features,
+                                        feature_layers=feature_layers)
                 bar.update(chunk * max_new_tokens)
             else:
                 bar.set_description("target answers")
                 seqs = generate_answers(engine, [(p, s) for p, s, _ in part], eos_ids,
                                         max_new_tokens, batch_size, top_n, progress=bar,
-                                        features=features)
+                                        features=features, feature_layers=feature_layers)
                 bar.update(sum(max_new_tokens - len(s.tokens) for s in seqs))
                 records = [
                     dict(
@@ -234,7 +252,8 @@ def write_shards(
                         top_logprobs=torch.stack(s.top_logprobs),
                         temperature=s.sampling.temperature,
                         conversation=idx,
-                        **({"features": torch.stack(s.features)} if features else {}),
+                        **(feature_record(torch.stack(s.features), feature_layers,
+                                          engine.arch.hidden_size) if features else {}),
                     )
                     for s, (_, _, idx) in zip(seqs, part)
                 ]

@@ -57,7 +57,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specdec.models.feature_model import FeatureDraft, FeatureRecipe, init_from_target, save_draft
+from specdec.models.feature_model import (FeatureDraft, FeatureRecipe, init_from_target,
+                                          parse_layers, save_draft)
 from specdec.distill.train import (build_vocab, lr_at, save_checkpoint, simulate_tokens_per_round,
                                    soft_target_loss)
 
@@ -68,13 +69,30 @@ log = logging.getLogger(__name__)
 
 
 class FeatureExamples:
-    """Records with features, as rows (feature_i, answer_i) -> targets at i + 1."""
+    """Records with features, as rows (feature_i, answer_i) -> targets at i + 1.
 
-    def __init__(self, vocab_map: torch.Tensor, vocab_size: int, max_answer: int = 192):
+    With ``feature_layers`` a row's features are [taps of those layers; final feature]
+    (records' ``taps`` [answer, layers, hidden], written with ``tap_layers`` by
+    ``specdec distill --features --feature-layers``)."""
+
+    def __init__(self, vocab_map: torch.Tensor, vocab_size: int, max_answer: int = 192,
+                 feature_layers: tuple[int, ...] = ()):
         self.to_draft = torch.full((vocab_size,), -1, dtype=torch.long)
         self.to_draft[vocab_map] = torch.arange(len(vocab_map))
         self.max_answer = max_answer
+        self.feature_layers = tuple(feature_layers)
         self.items: list[dict] = []
+
+    def _features(self, r: dict, a: int) -> torch.Tensor:
+        if not self.feature_layers:
+            return r["features"][:a].half()
+        have = tuple(r["tap_layers"].tolist()) if "tap_layers" in r else ()
+        if not set(self.feature_layers) <= set(have):
+            raise ValueError(f"the draft reads target layers {self.feature_layers}; the data "
+                             f"holds {have or 'none'} (specdec distill --features "
+                             f"--feature-layers {','.join(map(str, self.feature_layers))})")
+        taps = r["taps"][:a, [have.index(x) for x in self.feature_layers]]
+        return torch.cat([taps.flatten(1).half(), r["features"][:a].half()], 1)
 
     def add(self, records: list[dict]) -> int:
         """Add records (those with >= 2 answer tokens); returns the number of rows added."""
@@ -84,7 +102,7 @@ class FeatureExamples:
             if a < 2:
                 continue
             self.items.append(dict(
-                tokens=r["answer"][:a].long(), features=r["features"][:a].half(),
+                tokens=r["answer"][:a].long(), features=self._features(r, a),
                 top_ids=self.to_draft[r["top_ids"][1:a].long()], top_lp=r["top_logprobs"][1:a].half(),
             ))
             n += a - 1
@@ -98,13 +116,14 @@ class FeatureExamples:
         return sum(len(it["tokens"]) - 1 for it in self.items)
 
     def batch(self, idx: list[int]) -> dict:
-        """Padded batch: features [b, t, hidden] float, tokens [b, t], per-row targets at
-        row r (r < len - 1): top_ids/top_lp [b, t, 32] (ids -1 = pad or outside the draft
-        vocabulary), next_features [b, t, hidden], valid [b, t]."""
+        """Padded batch: features [b, t, width] float (width: the taps' and the final
+        feature's), tokens [b, t], per-row targets at row r (r < len - 1): top_ids/top_lp
+        [b, t, 32] (ids -1 = pad or outside the draft vocabulary), next_features [b, t,
+        hidden] (the final feature of the row after), valid [b, t]."""
         items = [self.items[i] for i in idx]
         t = max(len(it["tokens"]) for it in items)
-        hidden, top = items[0]["features"].shape[1], items[0]["top_ids"].shape[1]
-        feats = torch.zeros(len(items), t, hidden)
+        width, top = items[0]["features"].shape[1], items[0]["top_ids"].shape[1]
+        feats = torch.zeros(len(items), t, width)
         tokens = torch.zeros(len(items), t, dtype=torch.long)
         top_ids = torch.full((len(items), t, top), -1, dtype=torch.long)
         top_lp = torch.zeros(len(items), t, top)
@@ -116,7 +135,8 @@ class FeatureExamples:
             top_ids[b, : a - 1] = it["top_ids"]
             top_lp[b, : a - 1] = it["top_lp"].float()
             valid[b, : a - 1] = True
-        next_feats = torch.cat([feats[:, 1:], torch.zeros_like(feats[:, :1])], 1)
+        final = feats[..., width - width // (len(self.feature_layers) + 1):]
+        next_feats = torch.cat([final[:, 1:], torch.zeros_like(final[:, :1])], 1)
         return dict(features=feats, tokens=tokens, top_ids=top_ids, top_lp=top_lp,
                     next_features=next_feats, valid=valid)
 
@@ -125,6 +145,18 @@ def feature_rms(records: list[dict], n: int = 64) -> float:
     """RMS of the target's features (over the first ``n`` records)."""
     f = torch.cat([r["features"].float() for r in records[:n]])
     return float(f.pow(2).mean().sqrt())
+
+
+def tap_stats(records: list[dict], layers: tuple[int, ...], n: int = 64
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-dimension mean and standard deviation [layers, hidden] of the target's residual at
+    ``layers`` (over the first ``n`` records' answers), rounded to float16: what the draft
+    file stores, so the served draft standardises with the numbers it was trained with."""
+    ex = FeatureExamples(torch.zeros(1, dtype=torch.long), 1, feature_layers=layers)
+    rows = torch.cat([ex._features(r, len(r["answer"])).float() for r in records[:n]])
+    hidden = records[0]["features"].shape[1]
+    taps = rows[:, : len(layers) * hidden].unflatten(1, (len(layers), hidden))
+    return taps.mean(0).half().float(), (taps.std(0) + 1e-3).half().float()
 
 
 def shard_paths(data_dir) -> list[pathlib.Path]:
@@ -333,10 +365,10 @@ def evaluate(draft: FeatureDraft, examples: FeatureExamples, k_max: int = 4) -> 
 # -- command line -----------------------------------------------------------------------------
 
 
-def _held_out(dirs, vocab_map, vocab_size) -> dict[str, FeatureExamples]:
+def _held_out(dirs, vocab_map, vocab_size, layers=()) -> dict[str, FeatureExamples]:
     out = {}
     for d in dirs or []:
-        ex = FeatureExamples(vocab_map, vocab_size)
+        ex = FeatureExamples(vocab_map, vocab_size, feature_layers=layers)
         ex.add(load_records(shard_paths(d)))
         out[pathlib.Path(d).name] = ex
     return out
@@ -351,13 +383,17 @@ def _build(recipe: FeatureRecipe, records: list[dict], out: pathlib.Path):
     init = out / "init.pt"
     if init.exists():
         saved = torch.load(init, weights_only=True)
-        vocab_map, scale = saved["vocab_map"], float(saved["feature_scale"])
     else:
         eos = eos_token_ids(tokenizer, model.config)
-        vocab_map = build_vocab(records, recipe.vocab, eos)
-        scale = feature_rms(records)
-        torch.save({"vocab_map": vocab_map, "feature_scale": scale}, init)
-    draft = init_from_target(recipe, vocab_map, scale, model=model)
+        saved = {"vocab_map": build_vocab(records, recipe.vocab, eos),
+                 "feature_scale": feature_rms(records)}
+        if recipe.layers:
+            saved["tap_mean"], saved["tap_std"] = tap_stats(records, recipe.layers)
+        torch.save(saved, init)
+    vocab_map = saved["vocab_map"]
+    draft = init_from_target(recipe, vocab_map, float(saved["feature_scale"]), model=model,
+                             tap_stats=(saved["tap_mean"], saved["tap_std"]) if recipe.layers
+                             else None)
     return draft, vocab_map, model.config.vocab_size
 
 
@@ -395,6 +431,8 @@ def main(argv=None, prog: str = "python -m specdec.distill.feature_draft") -> No
     hd.add_argument("--out", required=True)
     hd.add_argument("--sets", nargs="+", default=["templated", "handwritten"])
     hd.add_argument("--prompts", type=int, default=48)
+    hd.add_argument("--feature-layers", default="", help="the residual after these target "
+                    "layers too (comma-separated: the --feature-layers of the draft to score)")
     hd.add_argument("--threads", type=int, default=1)
     ex = sub.add_parser("export", help="write a trained run's draft as a specdec draft "
                                        "directory (serve it: specdec serve-draft --model DIR)")
@@ -416,7 +454,8 @@ def main(argv=None, prog: str = "python -m specdec.distill.feature_draft") -> No
         from specdec.distill.cli import held_out_records
 
         for name in args.sets:
-            held_out_records("default", out, args.prompts, 192, held_out=name, features=True)
+            held_out_records("default", out, args.prompts, 192, held_out=name, features=True,
+                             feature_layers=parse_layers(args.feature_layers))
         return
     if args.cmd in ("eval", "export"):
         draft, recipe, vocab_map, vsize = trained(out)
@@ -429,7 +468,8 @@ def main(argv=None, prog: str = "python -m specdec.distill.feature_draft") -> No
         return
     if args.cmd == "eval":
         res = {name: evaluate(draft, ex, args.k_max)
-               for name, ex in _held_out(args.heldout, vocab_map, vsize).items()}
+               for name, ex in _held_out(args.heldout, vocab_map, vsize,
+                                         recipe.layers).items()}
         print(json.dumps(res, indent=1))
         (out / "eval.json").write_text(json.dumps(res, indent=1) + "\n")
         return
@@ -441,7 +481,7 @@ def main(argv=None, prog: str = "python -m specdec.distill.feature_draft") -> No
         paths = paths[: args.max_shards]
     records = load_records(paths)
     draft, vocab_map, vsize = _build(recipe, records, out)
-    examples = FeatureExamples(vocab_map, vsize, recipe.max_answer)
+    examples = FeatureExamples(vocab_map, vsize, recipe.max_answer, recipe.layers)
     examples.add(records)
     del records
     used = {p.name for p in paths}
@@ -451,7 +491,7 @@ def main(argv=None, prog: str = "python -m specdec.distill.feature_draft") -> No
         used.update(p.name for p in new)
         return load_records(new)
 
-    held = _held_out(args.heldout, vocab_map, vsize)
+    held = _held_out(args.heldout, vocab_map, vsize, recipe.layers)
     first = next(iter(held.values()), None)
     log.info("train: %d records, %d rows; recipe %s", len(examples), examples.rows, recipe)
     figures = train(draft, examples, recipe, out / "train.ckpt",

@@ -26,6 +26,7 @@ computes, up to summation order.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -39,6 +40,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.distill import train as distill
+from specdec.models.feature_model import parse_layers
 
 log = logging.getLogger(__name__)
 
@@ -81,24 +83,53 @@ def prepare(out: pathlib.Path, target: str, n_prompts: int, prompt_set: str,
 # -- 2. run (GPU) -----------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def tapped(model, layers: tuple[int, ...]):
+    """{layer: its output at each row's last position}, filled by every forward while open
+    (hooks on those decoder layers: the residual stream after each)."""
+    taps: dict[int, torch.Tensor] = {}
+
+    def tap(li):
+        def hook(_module, _args, out):
+            taps[li] = (out[0] if isinstance(out, tuple) else out)[:, -1]
+        return hook
+
+    hooks = [model.model.layers[li].register_forward_hook(tap(li)) for li in layers]
+    try:
+        yield taps
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
 @torch.no_grad()
 def answer_batch(model, prompts: list[torch.Tensor], temps: torch.Tensor, eos: list[int], pad: int,
                  max_new: int, top_n: int, gen: torch.Generator, features: bool = False,
-                 ) -> list[dict]:
+                 feature_layers: tuple[int, ...] = ()) -> list[dict]:
     """The target's answers to a batch of prompts (left-padded), with top-N log-probs and,
     with ``features``, the final norm's output at the position that predicted each answer
     token (what its head read: a feature draft's input, as ``LlamaEngine.forward_features``
-    gives it)."""
+    gives it), after the residual stream of ``feature_layers`` there (``tapped``;
+    ``data.feature_record`` makes the record's keys)."""
+    with tapped(model, feature_layers if features else ()) as taps:
+        return _answer_batch(model, prompts, temps, eos, pad, max_new, top_n, gen, features,
+                             feature_layers, taps)
+
+
+def _answer_batch(model, prompts, temps, eos, pad, max_new, top_n, gen, features,
+                  feature_layers, taps) -> list[dict]:
     from transformers import DynamicCache
+
+    from specdec.distill.data import feature_record
 
     if features and getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("features: a head with soft-capped logits is not supported")
 
-    def forward(**kw):  # (last logits, last feature or None)
+    def forward(**kw):  # (last logits, last feature rows or None)
         if not features:
             return model(**kw, use_cache=True, logits_to_keep=1).logits[:, -1], None
         h = model.model(**kw, use_cache=True).last_hidden_state[:, -1]
-        return model.lm_head(h), h
+        return model.lm_head(h), torch.cat([*(taps[li] for li in feature_layers), h], -1)
 
     device = temps.device
     b, width = len(prompts), max(len(p) for p in prompts)
@@ -118,7 +149,7 @@ def answer_batch(model, prompts: list[torch.Tensor], temps: torch.Tensor, eos: l
     toks, top_i, top_v, feats = [], [], [], []
     for _ in range(max_new):
         if features:
-            feats.append(h.to(torch.float16))
+            feats.append(h.float())
         logp = logits.float().log_softmax(-1)
         tv, ti = logp.topk(top_n)
         probs = torch.softmax(logits.float() / temps.clamp_min(1e-4)[:, None], -1)
@@ -138,19 +169,21 @@ def answer_batch(model, prompts: list[torch.Tensor], temps: torch.Tensor, eos: l
                             past_key_values=cache)
     toks_c = torch.stack(toks, 1).cpu()
     ti_c, tv_c = torch.stack(top_i, 1).cpu(), torch.stack(top_v, 1).cpu()
-    feats_c = torch.stack(feats, 1).cpu() if features else None
+    feats_c = torch.stack(feats, 1).cpu() if features else None  # [b, answer, width]
     lengths = lengths.cpu()
     temps_c = temps.cpu()
     return [dict(prompt=prompts[r].to(torch.int32), answer=toks_c[r, : lengths[r]].to(torch.int32),
                  top_ids=ti_c[r, : lengths[r]].clone(), top_logprobs=tv_c[r, : lengths[r]].clone(),
                  temperature=float(temps_c[r]),
-                 **({"features": feats_c[r, : lengths[r]].clone()} if features else {}))
+                 **(feature_record(feats_c[r, : lengths[r]], feature_layers,
+                                   model.config.hidden_size) if features else {}))
             for r in range(b) if lengths[r] > 0]
 
 
 def generate(model, prompts: list[torch.Tensor], temperatures: list[float], eos: list[int],
              pad: int, max_new: int, batch: int, top_n: int, budget_s: float, seed: int,
-             device: torch.device, features: bool = False) -> list[dict]:
+             device: torch.device, features: bool = False,
+             feature_layers: tuple[int, ...] = ()) -> list[dict]:
     """Answers for prompts x temperatures, in shuffled batches of similar length, until the budget."""
     jobs = [(i, t) for i in range(len(prompts)) for t in temperatures]
     jobs.sort(key=lambda j: len(prompts[j[0]]))
@@ -166,7 +199,7 @@ def generate(model, prompts: list[torch.Tensor], temperatures: list[float], eos:
             break
         temps = torch.tensor([t for _, t in part], dtype=torch.float32, device=device)
         got = answer_batch(model, [prompts[i] for i, _ in part], temps, eos, pad, max_new, top_n,
-                           gen, features)
+                           gen, features, feature_layers)
         for rec, (i, _) in zip(got, part):
             rec["conversation"] = i
         records.extend(got)
@@ -196,11 +229,12 @@ def _training_steps(module, train_steps, n_examples: int, batch: int, train_seco
 
 def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float, batch: int,
         temperatures: list[float], max_new: int, recipe: distill.Recipe, max_epochs: float,
-        eval_every: int, kind: str = "plain") -> dict:
+        eval_every: int, kind: str = "plain", feature_layers: tuple[int, ...] = ()) -> dict:
     """Data, then training: a plain draft (``distill``'s recipe), or with ``kind`` "feature"
     the feature-conditioned draft (``feature_draft``'s), its data keeping the target's
     features (1.1 KB a token on the default target: 4.4 GB for 3.87M tokens in host memory;
-    an 8B target's 8 KB a token would need the data streamed to disk first)."""
+    an 8B target's 8 KB a token would need the data streamed to disk first), with
+    ``feature_layers`` the residual after those layers too (as much again per layer)."""
     from specdec.models.hub import load_hf_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -214,7 +248,8 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
     vocab_size = int(model.config.vocab_size)
     t_loaded = time.time()
     records = generate(model, data["prompts"], temperatures, data["eos"], data["pad"], max_new,
-                       batch, 32, gen_seconds, recipe.seed, device, features=kind == FEATURE)
+                       batch, 32, gen_seconds, recipe.seed, device, features=kind == FEATURE,
+                       feature_layers=feature_layers)
     t_data = time.time()
     n_tokens = sum(len(r["answer"]) for r in records)
     print(f"data: {len(records)} answers, {n_tokens} target tokens in {t_data - t_loaded:.0f} s "
@@ -225,7 +260,7 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
     vocab_map = distill.build_vocab(records, recipe.vocab, sorted(data["eos"]))
     if kind == FEATURE:
         figures, saved = _train_feature(model, records, vocab_map, recipe, train_seconds,
-                                        max_epochs, device)
+                                        max_epochs, device, feature_layers)
         torch.save(saved, out / FEATURE_FILE)
         card = {"kind": FEATURE, "recipe": saved["recipe"], "data": {}}
     else:
@@ -274,17 +309,20 @@ def run(out: pathlib.Path, target: str, gen_seconds: float, train_seconds: float
 
 def _train_feature(model, records: list[dict], vocab_map: torch.Tensor, recipe: distill.Recipe,
                    train_seconds: float, max_epochs: float, device: torch.device,
-                   ) -> tuple[dict, dict]:
+                   feature_layers: tuple[int, ...] = ()) -> tuple[dict, dict]:
     """Train the feature draft on ``records`` (with features) on ``device`` for about
     ``train_seconds``: (figures, what ``finish`` makes the draft from)."""
     from specdec.distill import feature_draft as fd
     from specdec.models import feature_model as fm
 
     frecipe = fm.FeatureRecipe(target=recipe.target, vocab=recipe.vocab, batch=recipe.batch,
-                               lr=recipe.lr, warmup=recipe.warmup, seed=recipe.seed)
+                               lr=recipe.lr, warmup=recipe.warmup, seed=recipe.seed,
+                               feature_layers=",".join(map(str, feature_layers)))
     scale = fd.feature_rms(records)
-    draft = fm.init_from_target(frecipe, vocab_map, scale, model=model).to(device)
-    examples = fd.FeatureExamples(vocab_map, int(model.config.vocab_size), frecipe.max_answer)
+    stats = fd.tap_stats(records, feature_layers) if feature_layers else None
+    draft = fm.init_from_target(frecipe, vocab_map, scale, model=model, tap_stats=stats).to(device)
+    examples = fd.FeatureExamples(vocab_map, int(model.config.vocab_size), frecipe.max_answer,
+                                  feature_layers)
     examples.add(records)
     steps, per_step, epochs = _training_steps(
         draft, lambda m, n: fd.train(m, examples, dataclasses.replace(frecipe, steps=n, warmup=1),
@@ -339,15 +377,19 @@ def _finish_feature(out: pathlib.Path, draft_out: pathlib.Path, target: str, com
     saved = torch.load(out / FEATURE_FILE, weights_only=True)
     recipe = fm.FeatureRecipe(**{**saved["recipe"], "target": target})
     vocab_map = saved["vocab_map"].long()
-    draft = fm.init_from_target(recipe, vocab_map, float(saved["feature_scale"]))
+    draft = fm.init_from_target(recipe, vocab_map, float(saved["feature_scale"]),
+                                tap_stats=(saved["model"]["tap_mean"].float(),
+                                           saved["model"]["tap_std"].float())
+                                if recipe.layers else None)
     draft.load_state_dict({k: v.float() if v.is_floating_point() else v
                            for k, v in saved["model"].items()})
     card["recipe"]["target"] = target
     card["command"] = command
     fm.save_draft(draft_out, draft, target, card)
     engine, tokenizer, _ = _engine_and_tokenizer(target)
-    held = score_answers(engine, torch.load(out / HELD_OUT_FILE, weights_only=True), 32, True)
-    examples = fd.FeatureExamples(vocab_map, len(tokenizer))
+    held = score_answers(engine, torch.load(out / HELD_OUT_FILE, weights_only=True), 32, True,
+                         feature_layers=recipe.layers)
+    examples = fd.FeatureExamples(vocab_map, len(tokenizer), feature_layers=recipe.layers)
     examples.add(held)
     card["held_out"] = fd.evaluate(fm.load_draft(draft_out), examples)
     from specdec.models import draft_model
@@ -390,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--kind", default="plain", choices=["plain", FEATURE],
                    help="the draft to train: plain (the default) or the feature-conditioned "
                         "one (its data keeps the target's features)")
+    r.add_argument("--feature-layers", default="",
+                   help="with --kind feature: the draft reads the residual after these target "
+                        "layers too (comma-separated, e.g. 2,14 on the default target)")
     f = sub.add_parser("finish", help="write the draft directory and evaluate it")
     f.add_argument("--out", required=True)
     f.add_argument("--draft-out", default=None)
@@ -406,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
                                 warmup=args.warmup, seed=args.seed)
         run(out, args.target, args.gen_seconds, args.train_seconds, args.gen_batch,
             [float(t) for t in args.temperatures.split(",")], args.max_new_tokens, recipe,
-            args.max_epochs, args.eval_every, args.kind)
+            args.max_epochs, args.eval_every, args.kind, parse_layers(args.feature_layers))
     else:
         finish(out, pathlib.Path(args.draft_out or out / "draft"), args.target,
                " ".join(["python -m specdec.distill.gpu"] + sys.argv[1:]))

@@ -36,7 +36,24 @@ class FeatureRecipe:
     noise: float = 0.0  # uniform noise on input features, +- this times the feature RMS
     unroll: int = 1  # passes trained per step: 1 = teacher forced; 2-3 = own features fed
     unroll_detach: bool = False  # stop gradients through the fed predicted features
+    feature_layers: str = ""  # target layers whose residual stream the draft also reads,
+    # comma-separated ("2,14": low and middle, beside the final feature, as EAGLE-3 fuses them)
     seed: int = 0
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return parse_layers(self.feature_layers)
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """"2,14" -> (2, 14): target layers, ascending and distinct (ValueError otherwise)."""
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"feature layers: comma-separated layer numbers, not {text!r}") from None
+    if list(layers) != sorted(set(layers)) or any(x < 0 for x in layers):
+        raise ValueError(f"feature layers: distinct, ascending, >= 0; got {text!r}")
+    return layers
 
 
 # -- model ------------------------------------------------------------------------------------
@@ -83,6 +100,25 @@ def chain_mask(passes: int, t: int, device=None) -> torch.Tensor:
     return torch.cat(blocks, 0)  # every query sees at least itself (pass s, row r)
 
 
+def read_features(features: torch.Tensor, scale, tap_mean: torch.Tensor,
+                  tap_std: torch.Tensor) -> torch.Tensor:
+    """Features as the draft's fc reads them: [..., (layers + 1) * hidden] (the target's: its
+    layers' residual rows, then its final feature) or [..., hidden] (the draft's own predicted
+    final feature, where the target's is not known: the layers' rows then read as their
+    means) -> [..., (layers + 1) * hidden]: the layers' rows standardised by ``tap_mean`` /
+    ``tap_std`` [layers, hidden], then the final feature over ``scale``."""
+    hidden = tap_mean.shape[-1]
+    final = features[..., -hidden:] / scale
+    if not tap_mean.shape[0]:
+        return final
+    if features.shape[-1] == hidden:
+        taps = final.new_zeros(*final.shape[:-1], tap_mean.numel())
+    else:
+        taps = ((features[..., :-hidden].unflatten(-1, (-1, hidden)) - tap_mean)
+                / tap_std).flatten(-2)
+    return torch.cat([taps, final], -1)
+
+
 class FeatureDraft(nn.Module):
     """fc([feature; embed(token)]) -> one Llama layer -> (RMSNorm -> head, predicted feature).
 
@@ -92,10 +128,18 @@ class FeatureDraft(nn.Module):
     feature and the embedding each divided by its RMS: SmolLM2's embeddings are ~15x smaller
     than its features, and unscaled the token was drowned (held-out step-1 agreement 0.16 /
     0.13 against 0.22 / 0.21 scaled, templated / handwritten, 200 steps on 62k rows).
+
+    ``feature_layers``: target layers whose residual stream (after the layer) the draft reads
+    too, each row's input then [tap rows of those layers; final feature], the taps each
+    dimension standardised by ``tap_mean`` / ``tap_std`` [len(layers), hidden] (SmolLM2's
+    layer 14 has channels of RMS ~1,700 beside ~9 for the rest). A row on the draft's own
+    predicted feature (a chained row) has no taps: it reads them as their means (zeros once
+    standardised). The fc then starts as the one-feature draft, the taps' columns near zero.
     """
 
     def __init__(self, arch: ArchConfig, embed: torch.Tensor, vocab_map: torch.Tensor,
-                 feature_scale: float = 1.0, feature_out: str = "norm"):
+                 feature_scale: float = 1.0, feature_out: str = "norm",
+                 feature_layers: tuple[int, ...] = ()):
         super().__init__()
         if feature_out not in ("norm", "residual"):
             raise ValueError(f"feature_out: norm or residual, not {feature_out!r}")
@@ -109,7 +153,12 @@ class FeatureDraft(nn.Module):
         self.register_buffer("vocab_map", vocab_map.long())
         self.register_buffer("feature_scale", torch.tensor(float(feature_scale)))
         self.register_buffer("embed_scale", embed.float().pow(2).mean().sqrt(), persistent=False)
-        self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size, bias=True)
+        self.feature_layers = tuple(feature_layers)
+        taps = len(self.feature_layers)
+        # (stored only with taps: a one-feature draft's state is what it always was)
+        self.register_buffer("tap_mean", torch.zeros(taps, a.hidden_size), persistent=bool(taps))
+        self.register_buffer("tap_std", torch.ones(taps, a.hidden_size), persistent=bool(taps))
+        self.fc = nn.Linear((taps + 2) * a.hidden_size, a.hidden_size, bias=True)
         self.params = nn.ParameterDict({
             "attn_norm": nn.Parameter(torch.ones(a.hidden_size)),
             "wqkv": nn.Parameter(torch.randn((hq + 2 * hkv) * d, a.hidden_size) * 0.02),
@@ -128,9 +177,16 @@ class FeatureDraft(nn.Module):
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.arch.rms_norm_eps))
 
+    @property
+    def feature_width(self) -> int:
+        """Numbers a row reads of the target: its taps and its final feature."""
+        return (len(self.feature_layers) + 1) * self.arch.hidden_size
+
     def rows(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """The layer's input rows: fc([feature; embed(token)]), each part at unit RMS."""
-        return self.fc(torch.cat([features / self.feature_scale,
+        """The layer's input rows: fc([taps; feature; embed(token)]), each part at unit RMS
+        (``read_features``)."""
+        return self.fc(torch.cat([read_features(features, self.feature_scale, self.tap_mean,
+                                                self.tap_std),
                                   self.embed[tokens] / self.embed_scale], -1))
 
     def _qkv(self, x: torch.Tensor, pos: torch.Tensor):
@@ -168,17 +224,21 @@ class FeatureDraft(nn.Module):
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, passes: int = 1,
                 noise: float = 0.0, detach: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """features [b, t, hidden] (the target's, row t), tokens [b, t] (emitted at row t).
+        """features [b, t, feature_width] (the target's, row t), tokens [b, t] (emitted at
+        row t).
 
         Returns per pass s = 1..passes (logits [b, t, vocab_out], h [b, t, hidden]): pass s at
         row r is step s of the chain started at true row r - s + 1 (valid for r >= s - 1).
-        ``noise``: uniform noise on the true input features (+- noise * feature RMS).
+        ``noise``: uniform noise on the true input final features (+- noise * feature RMS).
         """
         b, t, _ = features.shape
         a = self.arch
         pos = torch.arange(t, device=features.device)
         if noise > 0:
-            features = features + (torch.rand_like(features) * 2 - 1) * noise * self.feature_scale
+            h = a.hidden_size
+            final = features[..., -h:]
+            final = final + (torch.rand_like(final) * 2 - 1) * noise * self.feature_scale
+            features = torch.cat([features[..., :-h], final], -1)
         xs, qs, ks, vs = [], [], [], []
         outs = []
         feed = features
@@ -210,7 +270,7 @@ class FeatureDraft(nn.Module):
     @torch.no_grad()
     def step(self, cache: DraftCache, features: torch.Tensor, tokens: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append rows (features [n, hidden], tokens [n]) to ``cache``; return their logits
+        """Append rows (features [n, feature_width], tokens [n]) to ``cache``; return their logits
         over the draft vocabulary [n, vocab_out] and predicted next features [n, hidden].
 
         After the target verifies, truncate the cache to the accepted rows and append those
@@ -235,20 +295,30 @@ class FeatureDraft(nn.Module):
 
 
 def init_from_target(recipe: FeatureRecipe, vocab_map: torch.Tensor, feature_scale: float,
-                     model=None) -> FeatureDraft:
+                     model=None, tap_stats: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> FeatureDraft:
     """A FeatureDraft with the layer from target layer ``recipe.init_layer`` and the head from
-    the target's (tied) embedding rows of the draft vocabulary."""
+    the target's (tied) embedding rows of the draft vocabulary; with ``recipe.layers``, its
+    taps standardised by ``tap_stats`` (mean, std [layers, hidden]:
+    ``feature_draft.tap_stats``)."""
     arch_t, weights = target_weights(recipe.target, model)
     arch = dataclasses.replace(arch_t, num_layers=1)
+    layers = recipe.layers
+    if any(x >= arch_t.num_layers for x in layers):
+        raise ValueError(f"feature layers {layers}: the target has {arch_t.num_layers} layers")
     draft = FeatureDraft(arch, weights["embed"].float().clone(), vocab_map, feature_scale,
-                         recipe.feature_out)
+                         recipe.feature_out, layers)
     with torch.no_grad():
+        if layers:
+            draft.tap_mean.copy_(tap_stats[0])
+            draft.tap_std.copy_(tap_stats[1])
         draft.params["head"].copy_(weights["head"][vocab_map])
         if recipe.feature_out == "norm":  # its output is then the target's kind of feature
             draft.params["norm"].copy_(weights["norm"])
         if recipe.fc_init == "identity":  # features and (tied) embeddings share one basis
             h = arch.hidden_size
-            draft.fc.weight.copy_(torch.cat([torch.eye(h), torch.eye(h)], 1))
+            taps = torch.zeros(h, len(layers) * h)  # the taps' columns start near zero
+            draft.fc.weight.copy_(torch.cat([taps, torch.eye(h), torch.eye(h)], 1))
             draft.fc.weight.add_(torch.randn_like(draft.fc.weight) * 0.01)
             draft.fc.bias.zero_()
         elif recipe.fc_init != "random":
@@ -270,8 +340,11 @@ def save_draft(path, draft: FeatureDraft, target: str, card: dict) -> None:
     weights = dict(draft.params.items())
     weights.update({"fc.weight": draft.fc.weight, "fc.bias": draft.fc.bias,
                     "feature_scale": draft.feature_scale})
-    draft_model.save(path, draft.arch, weights, draft.vocab_map, target, card,
-                     meta_extra={"kind": draft_model.FEATURE, "feature_out": draft.feature_out})
+    extra = {"kind": draft_model.FEATURE, "feature_out": draft.feature_out}
+    if draft.feature_layers:  # (flat: vectors are stored as they are, matrices as int8)
+        weights.update({"tap_mean": draft.tap_mean.flatten(), "tap_std": draft.tap_std.flatten()})
+        extra["feature_layers"] = list(draft.feature_layers)
+    draft_model.save(path, draft.arch, weights, draft.vocab_map, target, card, meta_extra=extra)
 
 
 def load_draft(path, stored: tuple[dict, dict] | None = None) -> FeatureDraft:
@@ -282,8 +355,11 @@ def load_draft(path, stored: tuple[dict, dict] | None = None) -> FeatureDraft:
         raise ValueError(f"{path}: not a feature draft (kind {meta.get('kind')!r})")
     draft = FeatureDraft(ArchConfig(**meta["arch"]), weights.pop("embed").float(),
                          weights.pop("vocab_map").long(), float(weights.pop("feature_scale")),
-                         meta.get("feature_out", "norm"))
+                         meta.get("feature_out", "norm"), tuple(meta.get("feature_layers", ())))
     with torch.no_grad():
+        if draft.feature_layers:
+            draft.tap_mean.copy_(weights.pop("tap_mean").view_as(draft.tap_mean))
+            draft.tap_std.copy_(weights.pop("tap_std").view_as(draft.tap_std))
         draft.fc.weight.copy_(weights.pop("fc.weight"))
         draft.fc.bias.copy_(weights.pop("fc.bias"))
         for name, value in weights.items():

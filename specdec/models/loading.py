@@ -96,8 +96,9 @@ def _model_info(config: ServiceConfig, engine, tokenizer, hf_config) -> ServiceI
         forward_ms=[],
         numerics=engine.numerics,
         features=getattr(engine, "reads_features", False),
-        feature_dim=engine.arch.hidden_size if config.role == "target" or
-        getattr(engine, "reads_features", False) else 0,
+        feature_dim=engine.feature_width if getattr(engine, "reads_features", False) else
+        engine.arch.hidden_size if config.role == "target" else 0,
+        feature_layers=list(getattr(engine, "feature_layers", ())),
     )
 
 

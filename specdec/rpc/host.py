@@ -269,6 +269,7 @@ def info_message(pb, info) -> object:
         vocab_size=info.vocab_size, max_context=info.max_context,
         eos_token_ids=info.eos_token_ids, forward_ms=info.forward_ms, drafter=info.drafter,
         numerics=info.numerics, features=info.features, feature_dim=info.feature_dim,
+        feature_layers=info.feature_layers,
     )
 
 

@@ -344,13 +344,17 @@ class LlamaEngine(LayerOps):
         num_logits: Sequence[int],
         num_features: Sequence[int] | None = None,
         inputs: Sequence[torch.Tensor] | None = None,
+        layers: Sequence[int] = (),
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """``forward``, and the final norm's output at each session's last ``num_features[i]``
         positions (default: ``num_logits[i]``, the rows the head read the logits from),
         [num_features[i], hidden]: the target's *feature* of a position, what a
         feature-conditioned draft is given. The head reads only the last num_logits rows.
         ``inputs``: each session's first layer's input rows [t_i, hidden] instead of its
-        tokens' embeddings (a feature draft's, ``specdec.serving.feature_engine``)."""
+        tokens' embeddings (a feature draft's, ``specdec.serving.feature_engine``).
+        ``layers``: the residual stream after each of these layers too, before the final
+        feature in each row ([num_features[i], (len(layers) + 1) * hidden]): the layer by
+        layer path then runs (the whole-stack call keeps no layer's rows)."""
         p = self._layout(caches, tokens)
         if inputs is not None:
             x = torch.cat(list(inputs)).to(self.device, self.dtype)
@@ -358,25 +362,30 @@ class LlamaEngine(LayerOps):
             x = self.embed[p.flat]  # [N, hidden]
             if self.embed_scale is not None:
                 x = x * self.embed_scale
-        if self.native is not None and self._whole_stack(x.shape[0]):
+        wanted = list(num_logits) if num_features is None else \
+            [max(m, f) for m, f in zip(num_logits, num_features)]
+        rows = torch.cat([torch.arange(p.offsets[i + 1] - m, p.offsets[i + 1], device=self.device)
+                          for i, m in enumerate(wanted)])
+        taps = {li: None for li in layers}  # each tapped layer's residual at the rows
+        if self.native is not None and not taps and self._whole_stack(x.shape[0]):
             self._native_layers(x, caches, p)
         elif self.native is not None:
             delta = None  # each layer's MLP output, added to x by the next layer's first op
             for li, layer in enumerate(self.layers):
                 delta = self._native_block(x, delta, li, layer, caches, p)
+                if li in taps:
+                    taps[li] = x[rows] + delta[rows]
             x += delta
         else:
             for li, layer in enumerate(self.layers):
                 x = self._block(x, li, layer, caches, p)
+                if li in taps:
+                    taps[li] = x[rows]
         for c, n0, t in zip(caches, p.lengths, p.sizes):
             c.length = n0 + t
-        wanted = list(num_logits) if num_features is None else \
-            [max(m, f) for m, f in zip(num_logits, num_features)]
-        rows = torch.cat([torch.arange(p.offsets[i + 1] - m, p.offsets[i + 1], device=self.device)
-                          for i, m in enumerate(wanted)])
         if rows.numel() == 0:
             return ([torch.empty(0, self.vocab_out, device=self.device) for _ in caches],
-                    [x.new_empty(0, x.shape[1]) for _ in caches])
+                    [x.new_empty(0, x.shape[1] * (len(taps) + 1)) for _ in caches])
         if self.numerics == "integer" and self.native is not None:  # per row, by construction
             picked, feats = x[rows].contiguous(), torch.empty(len(rows), x.shape[1])
             self.native.sd_add_rms_norm(picked.data_ptr(), None,
@@ -390,6 +399,9 @@ class LlamaEngine(LayerOps):
         logits = self.head(head_rows).float()  # [sum n_i, vocab_out]
         if self.arch.final_softcap is not None:  # Gemma 2/3
             logits = torch.tanh(logits / self.arch.final_softcap) * self.arch.final_softcap
+        if taps:
+            groups = list(torch.cat([*(t.to(feats.dtype) for t in taps.values()), feats], 1)
+                          .split(wanted))
         if num_features is not None:
             groups = [g[g.shape[0] - f:] for g, f in zip(groups, num_features)]
         return list(logits.split(list(num_logits))), groups

@@ -9,7 +9,9 @@ position t. A session's rows start just after its first feature (position s: the
 last, so row s + 1 is the first answer token's, as the draft was trained). A row whose feature
 the target has not sent reads the previous row's prediction instead (the block in flight,
 drafted tokens, the speculation cache's branches), or zeros for a first row before any feature
-came (the first round's draft calls). Such rows are provisional: once the target's feature for
+came (the first round's draft calls); a draft that reads target layers beside the final
+feature (``FeatureDraft.feature_layers``) reads them there as their means. Such rows are
+provisional: once the target's feature for
 one of them arrives they are computed again from there, so what the draft has seen of the
 accepted tokens is always the target's. Rows are computed when logits are asked for, the
 leading ones whose features are known in one step, the others one by one.
@@ -24,10 +26,19 @@ import torch
 
 from specdec.config import DEFAULT_NUMERICS
 from specdec.models.draft_model import LAYER_PARAMS
-from specdec.models.feature_model import FeatureDraft
+from specdec.models.feature_model import FeatureDraft, read_features
 from specdec.serving.engine import LlamaEngine
 from specdec.serving.kernels import GroupedCodes, Linear, timed
 from specdec.serving.session import PrefixMismatch
+
+
+FP16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def half_features(rows: torch.Tensor) -> torch.Tensor:
+    """Feature rows as the wire carries them (and the data keeps them): float16, a value
+    beyond its range saturated (a residual stream may hold one; a final feature does not)."""
+    return rows.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
 
 
 def wire_features(msg, tokens_end: int) -> tuple[int, torch.Tensor] | None:
@@ -57,19 +68,21 @@ class FeatureCache:
     """One session's state in a feature draft: its tokens, the target's features it was sent,
     and the draft's rows (keys and values, each row's predicted feature)."""
 
-    hidden: int
+    hidden: int  # the draft's predicted features' width
     device: torch.device = torch.device("cpu")
+    width: int = 0  # the target's features' width (0: hidden; more with tapped layers)
     tokens: list[int] = dataclasses.field(default_factory=list)
     feat_start: int | None = None  # position of the first feature sent
-    feats: torch.Tensor | None = None  # [n, hidden]: features of positions feat_start..
+    feats: torch.Tensor | None = None  # [n, width]: features of positions feat_start..
     rows: object = None  # the stack's KV cache (KVCache / PooledCache): one position a row
     row_start: int = 0  # token position of row 0
     true_rows: int = 0  # leading rows that read the target's features
     preds: torch.Tensor | None = None  # [rows, hidden]: each row's predicted feature
 
     def __post_init__(self) -> None:
+        self.width = self.width or self.hidden
         if self.feats is None:
-            self.feats = torch.empty(0, self.hidden, device=self.device)
+            self.feats = torch.empty(0, self.width, device=self.device)
         if self.preds is None:
             self.preds = torch.empty(0, self.hidden, device=self.device)
 
@@ -109,11 +122,12 @@ class FeatureCache:
         return copy
 
     def add_features(self, start: int, feats: torch.Tensor) -> None:
-        """Features of positions start.. (rows [n, hidden]); they continue (or overlap) the
+        """Features of positions start.. (rows [n, width]); they continue (or overlap) the
         ones held, else PrefixMismatch (the orchestrator then re-sends the session)."""
-        if feats.shape[1] != self.hidden:
-            raise ValueError(f"features: this draft reads features of dim {self.hidden}, got "
-                             f"{feats.shape[1]} (a draft made for another target?)")
+        if feats.shape[1] != self.width:
+            raise ValueError(f"features: this draft reads features of dim {self.width}, got "
+                             f"{feats.shape[1]} (a draft made for another target, or the "
+                             "target asked for other layers?)")
         feats = feats.to(self.device)
         if self.feat_start is None:
             self.feat_start, self.feats = start, feats
@@ -143,13 +157,16 @@ class FeatureEngine:
     kernels, int8 codes and numerics as any specdec draft on this device, its keys and values
     in the stack's caches), fed the fc's rows instead of token embeddings; the stack's
     features (its final norm's output) are the draft's predicted features. The fc and the
-    scaled embedding lookup run in torch."""
+    scaled embedding lookup run in torch; so does standardising the target layers' rows of a
+    draft that reads them (``feature_layers``, ``tap_mean`` / ``tap_std`` [layers, hidden])."""
 
     reads_features = True
     pool = None  # the scheduler admits every piece (the stack keeps its own caches)
 
     def __init__(self, stack: LlamaEngine, fc_weight: torch.Tensor, fc_bias: torch.Tensor,
-                 feature_scale: float, fc_codes: GroupedCodes | None = None):
+                 feature_scale: float, fc_codes: GroupedCodes | None = None,
+                 feature_layers: tuple[int, ...] = (), tap_mean: torch.Tensor | None = None,
+                 tap_std: torch.Tensor | None = None):
         self.stack = stack
         self.device = stack.device
         self.arch = stack.arch
@@ -166,6 +183,11 @@ class FeatureEngine:
                          integer=stack.numerics == "integer")
         self.feature_scale = float(feature_scale)
         self.embed_scale = float(stack.embed.float().pow(2).mean().sqrt())
+        self.feature_layers = tuple(feature_layers)
+        self.feature_width = (len(self.feature_layers) + 1) * self.hidden
+        no_taps = torch.empty(0, self.hidden)
+        self.tap_mean = (no_taps if tap_mean is None else tap_mean).float().to(self.device)
+        self.tap_std = (no_taps if tap_std is None else tap_std).float().to(self.device)
 
     @classmethod
     def from_module(cls, draft: FeatureDraft, device="cpu", kernels: str = "auto",
@@ -186,7 +208,8 @@ class FeatureEngine:
         stack = LlamaEngine(draft.arch, weights, device, kernels, vocab_map=draft.vocab_map,
                             codes=codes, numerics=numerics, dtype=dtype)
         return cls(stack, draft.fc.weight.detach().float(), draft.fc.bias.detach().float(),
-                   float(draft.feature_scale), fc_codes)
+                   float(draft.feature_scale), fc_codes, draft.feature_layers, draft.tap_mean,
+                   draft.tap_std)
 
     @classmethod
     def load(cls, path, device="cpu", kernels: str = "auto", numerics: str = DEFAULT_NUMERICS,
@@ -206,7 +229,8 @@ class FeatureEngine:
     full_vocab_logits = LlamaEngine.full_vocab_logits
 
     def new_cache(self) -> FeatureCache:
-        return FeatureCache(self.hidden, self.device, rows=self.stack.new_cache())
+        return FeatureCache(self.hidden, self.device, self.feature_width,
+                            rows=self.stack.new_cache())
 
     def reserve_kv(self, cap_bytes: int) -> None:
         """The stack's pool where it keeps one (torch's ops: sized by the service's cap);
@@ -269,13 +293,14 @@ class FeatureEngine:
         return cache.row_start + cache.rows.length
 
     def _pass(self, rows: list[tuple["_Rows", torch.Tensor, int]], true: bool) -> None:
-        """One stack pass over sessions' next rows: (session, features [n, hidden], n) each;
-        ``true``: the features are the target's."""
+        """One stack pass over sessions' next rows: (session, features [n, width] or
+        predicted [n, hidden], n) each; ``true``: the features are the target's."""
         if not rows:
             return
         toks = [torch.tensor(r.cache.tokens[r.next:r.next + n], dtype=torch.long,
                              device=self.device) for r, _, n in rows]
-        feats = torch.cat([f.float() for _, f, _ in rows]) / self.feature_scale
+        feats = read_features(torch.cat([f.float() for _, f, _ in rows]), self.feature_scale,
+                              self.tap_mean, self.tap_std)
         embeds = self.stack.embed[torch.cat(toks)].float() / self.embed_scale
         x = self.fc(torch.cat([feats, embeds], -1).to(self.stack.dtype).contiguous())
         sizes = [n for _, _, n in rows]
@@ -293,12 +318,12 @@ class FeatureEngine:
         cache cut back to the context before each probe), as start-up calibration asks."""
         cache = self.new_cache()
         tokens = (torch.arange(context + max_rows + 1) % self.vocab_in).tolist()
-        cache.add_features(0, torch.zeros(context + max_rows, self.hidden))
+        cache.add_features(0, torch.zeros(context + max_rows, self.feature_width))
         self.forward([cache], [torch.tensor(tokens[:context + 1])], [1])
 
         def probe(rows: int) -> float:
             cache.truncate(context + 1)  # (and the features with it: those of the probe again)
-            cache.add_features(context, torch.zeros(max_rows + 1, self.hidden))
+            cache.add_features(context, torch.zeros(max_rows + 1, self.feature_width))
             feed = torch.tensor(tokens[context + 1:context + 1 + rows])
             return timed(lambda: self.forward([cache], [feed], [rows]))
 

@@ -41,6 +41,7 @@ class ServiceInfo:
     numerics: str = ""  # what the model computes (engine.numerics); "" for the n-gram drafter
     features: bool = False  # a draft that reads the target's features (ModelInfo.features)
     feature_dim: int = 0  # the features' width (a target's hidden size)
+    feature_layers: list[int] = dataclasses.field(default_factory=list)  # a feature draft's
 
 
 def calibrate(engine: LlamaEngine, max_tokens: int = 16, context: int = 128, reps: int = 5) -> list[float]:

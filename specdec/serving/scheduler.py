@@ -23,7 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -45,6 +45,16 @@ class Piece:
     num_logits: int
     prefill: bool  # a prompt chunk (budgeted) rather than a decoding step
     num_features: int = 0  # the target's features wanted for this many trailing positions
+    feature_layers: tuple[int, ...] = ()  # ... with the residual after these layers first
+
+
+def layer_columns(rows: torch.Tensor, have: Sequence[int], want: Sequence[int]) -> torch.Tensor:
+    """A piece's feature rows [n, (len(want) + 1) * hidden] from a pass's that tapped the
+    layers ``have`` (a superset: the union of every piece's) [n, (len(have) + 1) * hidden]."""
+    if list(want) == list(have):
+        return rows
+    pick = [list(have).index(x) for x in want] + [len(have)]  # (the final feature last)
+    return rows.unflatten(1, (len(have) + 1, -1))[:, pick].flatten(1)
 
 
 class Work:
@@ -529,9 +539,11 @@ class BatchScheduler:
         try:
             caches, tokens = [p.cache for p in flat], [p.tokens for p in flat]
             if any(p.num_features for p in flat):  # (only then: costs nothing unasked)
+                layers = sorted({x for p in flat if p.num_features for x in p.feature_layers})
                 logits, feats = self.engine.forward_features(
                     caches, tokens, [p.num_logits for p in flat],
-                    [p.num_features for p in flat])
+                    [p.num_features for p in flat], layers=layers)
+                feats = [layer_columns(f, layers, p.feature_layers) for f, p in zip(feats, flat)]
             else:
                 logits = self.engine.forward(caches, tokens, [p.num_logits for p in flat])
         except Exception as exc:

@@ -9,6 +9,7 @@ import torch
 from specdec.config import MAX_DECODE_ON, MAX_K, MAX_TOP_LOGPROBS, SamplingParams
 from specdec.serving.acceptance import verify_coupled, verify_rejection, verify_walk
 from specdec.serving.engine import LlamaEngine
+from specdec.serving.feature_engine import half_features
 from specdec.serving.grammar import Grammars, block_masks, mask_logits
 from specdec.serving.sampling import (
     bias_logits,
@@ -20,6 +21,9 @@ from specdec.serving.sampling import (
 )
 from specdec.serving.scheduler import Piece, Work
 from specdec.serving.session import SessionStore
+
+
+MAX_FEATURE_LAYERS = 8  # layers a verify may ask features of (VerifyRequest.feature_layers)
 
 
 @dataclasses.dataclass
@@ -39,6 +43,7 @@ class VerifyCall:
     decode_on: int = 0  # plain steps to take after the verdict (VerifyRequest.decode_on)
     stop_ids: frozenset[int] = frozenset()  # decoding on ends after one of these
     features_from: int | None = None  # return the features of added positions from here on
+    feature_layers: tuple[int, ...] = ()  # ... with the residual after these layers first
 
     @classmethod
     def from_wire(cls, req, vocab_size: int) -> "VerifyCall":
@@ -58,6 +63,12 @@ class VerifyCall:
         if req.decode_on > MAX_DECODE_ON:
             raise ValueError(f"decode_on must be in [0, {MAX_DECODE_ON}], got {req.decode_on}")
         _check_ids(list(req.stop_ids), vocab_size, "stop_ids")
+        layers = tuple(int(x) for x in req.feature_layers)
+        if layers and not req.return_features:
+            raise ValueError("feature_layers asks for layers' features: set return_features")
+        if list(layers) != sorted(set(layers)) or len(layers) > MAX_FEATURE_LAYERS:
+            raise ValueError(f"feature_layers must be distinct and ascending, at most "
+                             f"{MAX_FEATURE_LAYERS}; got {list(layers)}")
         dists: list[tuple[list[int], list[float]]] = []
         if not sampling.drafter_invariant:
             if len(req.draft_dists) != len(drafts):
@@ -89,6 +100,7 @@ class VerifyCall:
             decode_on=int(req.decode_on),
             stop_ids=frozenset(req.stop_ids),
             features_from=int(req.features_from) if req.return_features else None,
+            feature_layers=layers,
         )
 
 
@@ -110,7 +122,8 @@ class VerifyResult:
         default_factory=list)  # of tokens[1:], when asked for
     decoded: list[int] = dataclasses.field(default_factory=list)  # decoded on after next_token
     passes: int = 1  # forward passes of the block and of each decoded token
-    # with features_from: (position of the first row, [rows, hidden] float16 on the host)
+    # with features_from: (position of the first row, [rows, (layers + 1) * hidden] float16
+    # on the host)
     features: tuple[int, torch.Tensor] | None = None
 
 
@@ -187,6 +200,11 @@ class VerifyWork(Work):
                 f"sequence of {total} tokens exceeds the target's context of "
                 f"{self.engine.arch.max_context}"
             )
+        beyond = [x for x in c.feature_layers if x >= self.engine.arch.num_layers]
+        if beyond:
+            raise ValueError(f"feature_layers {beyond}: the target has "
+                             f"{self.engine.arch.num_layers} layers (0..."
+                             f"{self.engine.arch.num_layers - 1})")
 
     def next_piece(self, budget: int) -> Piece | None:
         final = len(self.call.draft_tokens) + 1  # the block and the token it follows
@@ -205,7 +223,8 @@ class VerifyWork(Work):
         if self.call.features_from is not None:  # the piece's rows at features_from on
             end = self.call.prefix_len + self._fed + n
             features = max(0, min(n, end - self.call.features_from))
-        return Piece(self.session.cache, chunk, num_logits, prefill, features)
+        return Piece(self.session.cache, chunk, num_logits, prefill, features,
+                     self.call.feature_layers)
 
     def _keep_features(self, rows: int) -> None:
         """Keep the first ``rows`` of the piece's feature rows (those whose positions entered
@@ -256,9 +275,9 @@ class VerifyWork(Work):
             self._feed, self._fed = [next_token], 0
             return False
         self.session.compute_s += self.compute_s
-        if self._features:  # one copy to the host for the call
+        if self._features:  # one copy to the host for the call (float16's range: see Features)
             self._result.features = (self._features_start,
-                                     torch.cat(self._features).to("cpu", torch.float16))
+                                     half_features(torch.cat(self._features)).cpu())
         return True
 
     def _decoding_on(self, token: int) -> bool:
