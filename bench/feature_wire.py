@@ -8,10 +8,12 @@ one without; a Propose of k with those rows in ``features`` against one without 
 session whose features end a position earlier, so both compute the same number of rows).
 Each call rolls its session back to the same prefix, so every call does the same work.
 
-    python -m bench.feature_wire [--draft DIR] [--k 2] [--calls 200]
+    python -m bench.feature_wire [--draft DIR | --feature-layers 2,14] [--k 2] [--calls 200]
 
-Without ``--draft``, an untrained feature draft for the default target is made for the run
-(its cost is a trained one's: the same layer, head and rows).
+The verify asks for the layers the draft reads (its ModelInfo.feature_layers), as the
+orchestrator does. Without ``--draft``, an untrained feature draft for the default target is
+made for the run, reading ``--feature-layers`` (its cost is a trained one's: the same layer,
+head and rows).
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ def measure(target_addr: str, draft_addr: str, k: int, calls: int) -> dict:
     p = len(prompt)
     with grpc.insecure_channel(target_addr) as tch, grpc.insecure_channel(draft_addr) as dch:
         target, draft = pb_grpc.TargetServiceStub(tch), pb_grpc.DraftServiceStub(dch)
+        layers = list(draft.GetInfo(pb.InfoRequest()).feature_layers)
         first = target.Verify(pb.VerifyRequest(session=_ref("v", prompt, 0), tokens=prompt,
-                                               return_features=True, features_from=0))
+                                               return_features=True, features_from=0,
+                                               feature_layers=layers))
         feats = first.features  # rows of positions 0 .. p - 1
         row = 2 * feats.dim
         seq = prompt + [first.next_token]
@@ -61,7 +65,8 @@ def measure(target_addr: str, draft_addr: str, k: int, calls: int) -> dict:
         def verify(with_features: bool):
             return target.Verify(pb.VerifyRequest(
                 session=_ref("v", seq, p), tokens=seq[p:], draft_tokens=block,
-                return_features=with_features, features_from=0))
+                return_features=with_features, features_from=0,
+                feature_layers=layers if with_features else []))
 
         # two draft sessions over the prompt: features to p - 2 (+1 row a call) and to p - 3
         for sid, end in (("with", p - 1), ("without", p - 2)):
@@ -86,7 +91,7 @@ def measure(target_addr: str, draft_addr: str, k: int, calls: int) -> dict:
                     times["verify" + suffix].append(tv)
                     times["propose" + suffix].append(tp)
     med = {name: statistics.median(v) for name, v in times.items()}
-    return dict(k=k, calls=calls, feature_dim=feats.dim, median_ms=med,
+    return dict(k=k, calls=calls, feature_dim=feats.dim, feature_layers=layers, median_ms=med,
                 verify_extra_ms=med["verify+features"] - med["verify"],
                 propose_extra_ms=med["propose+features"] - med["propose"],
                 round_extra_ms=med["verify+features"] - med["verify"] +
@@ -94,10 +99,12 @@ def measure(target_addr: str, draft_addr: str, k: int, calls: int) -> dict:
                 verify_response_bytes=sizes)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m bench.feature_wire", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", help="a feature draft directory (default: an untrained one)")
+    ap.add_argument("--feature-layers", default="",
+                    help="the untrained draft reads these target layers too (e.g. 2,14)")
     ap.add_argument("--k", type=int, default=2)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per service")
@@ -108,11 +115,18 @@ def main(argv=None) -> None:
             from specdec.models import feature_model as fm
 
             draft = str(pathlib.Path(tmp) / "draft")
-            fm.save_draft(draft, fm.init_from_target(fm.FeatureRecipe(), torch.arange(8192),
-                                                     1.0), "default", {"note": "bench"})
+            from specdec.models.draft_model import target_weights
+
+            recipe = fm.FeatureRecipe(feature_layers=args.feature_layers)
+            n, h = len(recipe.layers), target_weights("default")[0].hidden_size
+            fm.save_draft(draft, fm.init_from_target(recipe, torch.arange(8192), 1.0,
+                                                     tap_stats=(torch.zeros(n, h),
+                                                                torch.ones(n, h))),
+                          "default", {"note": "bench"})
         with LocalServices("default", draft, threads=args.threads) as services:
             result = measure(services.target_addr, services.draft_addr, args.k, args.calls)
     print(json.dumps(result, indent=1))
+    return result
 
 
 if __name__ == "__main__":

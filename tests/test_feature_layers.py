@@ -299,3 +299,14 @@ def test_the_layers_reach_the_draft_exactly(tservices, tiny_models):
                                      [len(seen["tokens"])], layers=LAYERS)
     ref = ref[0][seen["start"]:seen["start"] + n].half().float()
     torch.testing.assert_close(seen["feats"], ref, rtol=2e-3, atol=1e-3)
+
+
+@pytest.mark.real
+def test_the_wire_cost_bench_asks_for_the_drafts_layers():
+    """``python -m bench.feature_wire --feature-layers 2,14`` (the default target's services)
+    times verifies that ask for the draft's layers: rows of three times the hidden size."""
+    from bench import feature_wire
+
+    got = feature_wire.main(["--calls", "2", "--feature-layers", "2,14"])
+    assert got["feature_layers"] == [2, 14] and got["feature_dim"] == 3 * 576
+    assert got["verify_response_bytes"]["with"] > 3 * 2 * 576
