@@ -310,3 +310,35 @@ def test_the_wire_cost_bench_asks_for_the_drafts_layers():
     got = feature_wire.main(["--calls", "2", "--feature-layers", "2,14"])
     assert got["feature_layers"] == [2, 14] and got["feature_dim"] == 3 * 576
     assert got["verify_response_bytes"]["with"] > 3 * 2 * 576
+
+
+@pytest.mark.real
+def test_the_whole_stack_call_tapped_in_ranges_is_the_layer_by_layer_path():
+    """On the default target (integer numerics, every layer in one native call) a tapped
+    pass runs one call per range of layers: its layers' rows are the layer-by-layer path's
+    bit for bit, and its final features and logits an untapped pass's, for 1, 3 and 40 rows
+    after a cached context (each range reads its own layers' keys and values)."""
+    from specdec.models.loading import load_engine
+
+    engine, _, _ = load_engine("default", torch.device("cpu"))
+    if engine.native is None or not engine._whole_stack(3):
+        pytest.skip("the whole-stack call runs on specdec's native kernels")
+    context = torch.arange(1000, 1040)
+
+    def run(rows, layers, whole=True):
+        engine.whole_stack = whole
+        try:
+            cache = engine.new_cache()
+            engine.forward([cache], [context], [1])
+            return engine.forward_features([cache], [torch.arange(5, 5 + rows)], [rows], [rows],
+                                           layers=layers)
+        finally:
+            engine.whole_stack = True
+
+    for rows in (1, 3, 40):
+        logits, tapped = run(rows, (2, 14))
+        plain_logits, plain = run(rows, ())
+        _, by_layer = run(rows, (2, 14), whole=False)
+        assert torch.equal(tapped[0], by_layer[0]), rows
+        assert torch.equal(tapped[0][:, 2 * 576:], plain[0])
+        assert torch.equal(logits[0], plain_logits[0])

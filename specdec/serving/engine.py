@@ -353,8 +353,8 @@ class LlamaEngine(LayerOps):
         ``inputs``: each session's first layer's input rows [t_i, hidden] instead of its
         tokens' embeddings (a feature draft's, ``specdec.serving.feature_engine``).
         ``layers``: the residual stream after each of these layers too, before the final
-        feature in each row ([num_features[i], (len(layers) + 1) * hidden]): the layer by
-        layer path then runs (the whole-stack call keeps no layer's rows)."""
+        feature in each row ([num_features[i], (len(layers) + 1) * hidden]); the whole-stack
+        call then runs as one call per range of layers between them (the same bits)."""
         p = self._layout(caches, tokens)
         if inputs is not None:
             x = torch.cat(list(inputs)).to(self.device, self.dtype)
@@ -367,8 +367,13 @@ class LlamaEngine(LayerOps):
         rows = torch.cat([torch.arange(p.offsets[i + 1] - m, p.offsets[i + 1], device=self.device)
                           for i, m in enumerate(wanted)])
         taps = {li: None for li in layers}  # each tapped layer's residual at the rows
-        if self.native is not None and not taps and self._whole_stack(x.shape[0]):
-            self._native_layers(x, caches, p)
+        if self.native is not None and self._whole_stack(x.shape[0]):
+            first = 0
+            for end in sorted({li + 1 for li in taps} | {len(self.layers)}):
+                self._native_layers(x, caches, p, first, end)
+                if end - 1 in taps:
+                    taps[end - 1] = x[rows]
+                first = end
         elif self.native is not None:
             delta = None  # each layer's MLP output, added to x by the next layer's first op
             for li, layer in enumerate(self.layers):

@@ -165,16 +165,26 @@ class LayerOps:
                 if len(self.inv_freqs) == 1 else ()
         return bool(self._stack) and (self.kernels is None or self.kernels.kernel(rows) == SMALLM)
 
-    def _native_layers(self, x: torch.Tensor, caches: Sequence[KVCache], p: "_Pass") -> None:
-        """Every decoder layer over the flat batch x (in place) in one ``sd_layers`` call."""
+    def _native_layers(self, x: torch.Tensor, caches: Sequence[KVCache], p: "_Pass",
+                       first: int = 0, end: int | None = None) -> None:
+        """Every decoder layer (or layers first .. end - 1) over the flat batch x (in place)
+        in one ``sd_layers`` call; x is then the residual stream after the last of them (so
+        consecutive ranges give the bits of one call over all)."""
         a, lib, m = self.arch, self.native, len(caches)
         layers, panel, _keep = self._stack
+        end = len(self.layers) if end is None else end
         cos, sin = p.native_ropes[0]
         ints, longs, ptrs = ctypes.c_int * (m + 1), ctypes.c_long * m, ctypes.c_void_p * m
+
+        def at_first(t):  # a cache's layer ``first``
+            return t.data_ptr() + first * t.stride(0) * t.element_size()
+
         status = lib.sd_layers(
-            x.data_ptr(), x.shape[0], x.shape[1], layers, len(self.layers), a.rms_norm_eps, m,
-            ints(*p.offsets), ints(*p.lengths), ptrs(*(c.k.data_ptr() for c in caches)),
-            ptrs(*(c.v.data_ptr() for c in caches)), longs(*(c.k.stride(0) for c in caches)),
+            x.data_ptr(), x.shape[0], x.shape[1],
+            ctypes.addressof(layers) + first * ctypes.sizeof(layers._type_), end - first,
+            a.rms_norm_eps, m, ints(*p.offsets), ints(*p.lengths),
+            ptrs(*(at_first(c.k) for c in caches)), ptrs(*(at_first(c.v) for c in caches)),
+            longs(*(c.k.stride(0) for c in caches)),
             longs(*(c.k.stride(1) for c in caches)), cos.data_ptr(), sin.data_ptr(),
             a.attn_scale if a.attn_scale is not None else a.head_dim ** -0.5, a.num_heads,
             a.num_kv_heads, a.head_dim, panel, torch.get_num_threads())
