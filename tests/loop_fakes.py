@@ -52,7 +52,7 @@ class FakeTarget:
 
     async def verify(self, session_id, history, draft_tokens, draft_dists, sampling,
                      request_id="", logprobs=None, prompt_logprobs=False, decode_on=0,
-                     stop_ids=(), features_from=None):
+                     stop_ids=(), features_from=None, feature_layers=()):
         start = time.perf_counter()
         await asyncio.sleep(0.002)
         self.calls += 1
