@@ -198,6 +198,15 @@ class ServiceThread:
         self.thread.join(30)
 
 
+def with_draft_service(services: dict, key: str, draft_dir: str, target: str):
+    """A module fixture's body: ``services`` and, under ``key``, a draft service of
+    ``draft_dir`` beside ``target``, stopped after the module."""
+    services = dict(services)
+    services[key] = ServiceThread("draft", draft_dir, target=target)
+    yield services
+    services[key].stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_services(tiny_models):
     """Target = tiny target; drafts: the tiny (disagreeing) draft, the target itself, n-gram."""

@@ -11,7 +11,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import TOKEN_PROMPTS, ServiceThread, generate_on
+from conftest import TOKEN_PROMPTS, generate_on, with_draft_service
 from specdec.config import SamplingParams
 from specdec.models import feature_model as fm
 from specdec.serving.feature_engine import FeatureEngine
@@ -46,10 +46,7 @@ def tapped_dir(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tservices(tiny_services, tapped_dir, tiny_models):
-    services = dict(tiny_services)
-    services["tdraft"] = ServiceThread("draft", tapped_dir, target=tiny_models["target"])
-    yield services
-    services["tdraft"].stop()
+    yield from with_draft_service(tiny_services, "tdraft", tapped_dir, tiny_models["target"])
 
 
 def _engine(tiny_models):

@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 
-from conftest import TOKEN_PROMPTS, ServiceThread, generate_on
+from conftest import TOKEN_PROMPTS, ServiceThread, generate_on, with_draft_service
 from specdec.config import SamplingParams
 from specdec.models import feature_model as fm
 from specdec.serving.feature_engine import FeatureEngine, wire_features
@@ -46,10 +46,7 @@ def fdraft_dir(tiny_models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fservices(tiny_services, fdraft_dir, tiny_models):
-    services = dict(tiny_services)
-    services["fdraft"] = ServiceThread("draft", fdraft_dir, target=tiny_models["target"])
-    yield services
-    services["fdraft"].stop()
+    yield from with_draft_service(tiny_services, "fdraft", fdraft_dir, tiny_models["target"])
 
 
 # -- the format and the engine, without the network ----------------------------------------
