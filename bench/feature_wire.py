@@ -115,10 +115,10 @@ def main(argv=None) -> dict:
             from specdec.models import feature_model as fm
 
             draft = str(pathlib.Path(tmp) / "draft")
-            from specdec.models.draft_model import target_weights
+            from specdec.models.loading import check_architecture
 
             recipe = fm.FeatureRecipe(feature_layers=args.feature_layers)
-            n, h = len(recipe.layers), target_weights("default")[0].hidden_size
+            n, h = len(recipe.layers), check_architecture("default").hidden_size
             fm.save_draft(draft, fm.init_from_target(recipe, torch.arange(8192), 1.0,
                                                      tap_stats=(torch.zeros(n, h),
                                                                 torch.ones(n, h))),

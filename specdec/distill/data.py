@@ -205,9 +205,10 @@ def write_shards(
 ) -> list[pathlib.Path]:
     """Generate answers for all conversations at every temperature; write shards (resumable).
     ``features``: each record also holds ``features`` [answer_len, hidden] (see
-    ``generate_answers``), and with ``feature_layers`` ``taps`` (``feature_record``). ``answers_dir``: keep each shard's answers there too
-    (``save_answers``), and where a shard is missing but its answers are there, score them
-    instead of generating; ``identity`` (target, job list) is checked against what it holds."""
+    ``generate_answers``), and with ``feature_layers`` ``taps`` (``feature_record``).
+    ``answers_dir``: keep each shard's answers there too (``save_answers``), and where a shard
+    is missing but its answers are there, score them instead of generating; ``identity``
+    (target, job list) is checked against what it holds."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if answers_dir is not None:
         _check_answers_dir(answers_dir, identity or {})

@@ -68,6 +68,21 @@ log = logging.getLogger(__name__)
 # -- data -------------------------------------------------------------------------------------
 
 
+def record_features(r: dict, layers: tuple[int, ...]) -> torch.Tensor:
+    """A record's rows as the draft reads them: [answer, (len(layers) + 1) * hidden], the
+    residual after each of ``layers`` (its ``taps``) then the final feature; ValueError
+    naming the command when the record lacks a layer."""
+    if not layers:
+        return r["features"]
+    have = tuple(r["tap_layers"].tolist()) if "tap_layers" in r else ()
+    if not set(layers) <= set(have):
+        raise ValueError(f"the draft reads target layers {layers}; the data holds "
+                         f"{have or 'none'} (specdec distill --features "
+                         f"--feature-layers {','.join(map(str, layers))})")
+    taps = r["taps"][:, [have.index(x) for x in layers]]
+    return torch.cat([taps.flatten(1), r["features"]], 1)
+
+
 class FeatureExamples:
     """Records with features, as rows (feature_i, answer_i) -> targets at i + 1.
 
@@ -83,17 +98,6 @@ class FeatureExamples:
         self.feature_layers = tuple(feature_layers)
         self.items: list[dict] = []
 
-    def _features(self, r: dict, a: int) -> torch.Tensor:
-        if not self.feature_layers:
-            return r["features"][:a].half()
-        have = tuple(r["tap_layers"].tolist()) if "tap_layers" in r else ()
-        if not set(self.feature_layers) <= set(have):
-            raise ValueError(f"the draft reads target layers {self.feature_layers}; the data "
-                             f"holds {have or 'none'} (specdec distill --features "
-                             f"--feature-layers {','.join(map(str, self.feature_layers))})")
-        taps = r["taps"][:a, [have.index(x) for x in self.feature_layers]]
-        return torch.cat([taps.flatten(1).half(), r["features"][:a].half()], 1)
-
     def add(self, records: list[dict]) -> int:
         """Add records (those with >= 2 answer tokens); returns the number of rows added."""
         n = 0
@@ -102,7 +106,8 @@ class FeatureExamples:
             if a < 2:
                 continue
             self.items.append(dict(
-                tokens=r["answer"][:a].long(), features=self._features(r, a),
+                tokens=r["answer"][:a].long(),
+                features=record_features(r, self.feature_layers)[:a].half(),
                 top_ids=self.to_draft[r["top_ids"][1:a].long()], top_lp=r["top_logprobs"][1:a].half(),
             ))
             n += a - 1
@@ -152,8 +157,7 @@ def tap_stats(records: list[dict], layers: tuple[int, ...], n: int = 64
     """Per-dimension mean and standard deviation [layers, hidden] of the target's residual at
     ``layers`` (over the first ``n`` records' answers), rounded to float16: what the draft
     file stores, so the served draft standardises with the numbers it was trained with."""
-    ex = FeatureExamples(torch.zeros(1, dtype=torch.long), 1, feature_layers=layers)
-    rows = torch.cat([ex._features(r, len(r["answer"])).float() for r in records[:n]])
+    rows = torch.cat([record_features(r, layers).float() for r in records[:n]])
     hidden = records[0]["features"].shape[1]
     taps = rows[:, : len(layers) * hidden].unflatten(1, (len(layers), hidden))
     return taps.mean(0).half().float(), (taps.std(0) + 1e-3).half().float()

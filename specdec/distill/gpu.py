@@ -121,6 +121,7 @@ def _answer_batch(model, prompts, temps, eos, pad, max_new, top_n, gen, features
     from transformers import DynamicCache
 
     from specdec.distill.data import feature_record
+    from specdec.serving.feature_engine import half_features
 
     if features and getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("features: a head with soft-capped logits is not supported")
@@ -149,7 +150,7 @@ def _answer_batch(model, prompts, temps, eos, pad, max_new, top_n, gen, features
     toks, top_i, top_v, feats = [], [], [], []
     for _ in range(max_new):
         if features:
-            feats.append(h.float())
+            feats.append(half_features(h))  # (as the wire carries them)
         logp = logits.float().log_softmax(-1)
         tv, ti = logp.topk(top_n)
         probs = torch.softmax(logits.float() / temps.clamp_min(1e-4)[:, None], -1)

@@ -11,9 +11,8 @@ the target has not sent reads the previous row's prediction instead (the block i
 drafted tokens, the speculation cache's branches), or zeros for a first row before any feature
 came (the first round's draft calls); a draft that reads target layers beside the final
 feature (``FeatureDraft.feature_layers``) reads them there as their means. Such rows are
-provisional: once the target's feature for
-one of them arrives they are computed again from there, so what the draft has seen of the
-accepted tokens is always the target's. Rows are computed when logits are asked for, the
+provisional: once the target's feature for one of them arrives they are computed again from
+there, so what the draft has seen of the accepted tokens is always the target's. Rows are computed when logits are asked for, the
 leading ones whose features are known in one step, the others one by one.
 """
 
