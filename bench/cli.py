@@ -29,6 +29,10 @@ def register(sub) -> None:
     b.add_argument("--target", default="default")
     b.add_argument("--draft", default="default-draft")
     b.add_argument("--k", type=int, default=None, help="fixed k for specdec (default: adaptive)")
+    b.add_argument("--no-prompt-lookup", dest="prompt_lookup", action="store_false",
+                   help="specdec drafts every block with the draft model (its acceptance "
+                        "alone; by default a block the history repeats comes from prompt "
+                        "lookup, as in `specdec generate`)")
     b.add_argument("--threads", type=int, default=0,
                    help="torch threads per specdec service (0 = torch's default, every core: "
                         "what `specdec generate` gives local services in its default mode)")
@@ -139,7 +143,8 @@ def cmd_bench(args) -> int:
                                 cores["target"] if cores else None)
         external.update({s: cpp for s in LLAMACPP_SYSTEMS})
     spd = SpecdecSystems(args.target, args.draft, args.threads, systems, cores=cores, rtts=rtts,
-                         decode_on=args.decode_on, numerics=args.numerics)
+                         decode_on=args.decode_on, numerics=args.numerics,
+                         prompt_lookup=args.prompt_lookup)
     runs: list[Run] = []
     try:
         spd.connect()

@@ -80,6 +80,7 @@ class Run:
     pipeline_hits: int = 0
     pipeline_misses: int = 0
     branches: int = 0  # speculation-cache branches drafted
+    lookup_rounds: int = 0  # rounds whose block came from prompt lookup, not the draft model
 
 
 def system_name(system: str, rtt_ms: float | None) -> str:
@@ -92,15 +93,18 @@ class SpecdecSystems:
 
     def __init__(self, target: str, draft: str, threads: int, systems: list[str],
                  cores: dict[str, list[int]] | None = None, rtts: list[float] = (0.0,),
-                 decode_on: int = DECODE_ON, numerics: str = DEFAULT_NUMERICS):
+                 decode_on: int = DECODE_ON, numerics: str = DEFAULT_NUMERICS,
+                 prompt_lookup: bool = True):
         """``cores``: {"target": [...], "draft": [...]} to pin each service (split topology;
         threads then default to the cores given). ``rtts``: round trips in ms added between
         the orchestrator and every service (a delaying proxy per service and value).
         ``decode_on``: the orchestrators' (--decode-on; the -stepwise system's is 0).
-        ``numerics``: every service's (--numerics; what runs decides ``self.reference``)."""
+        ``numerics``: every service's (--numerics; what runs decides ``self.reference``).
+        ``prompt_lookup``: False drafts every block with the draft model (--no-prompt-lookup:
+        its acceptance alone, as `specdec generate --no-prompt-lookup`)."""
         from orchestrator.local import ServiceProcess, service_args
 
-        self.decode_on = decode_on
+        self.decode_on, self.prompt_lookup = decode_on, prompt_lookup
         cores = cores or {}
 
         def args(role, model, extra=()):
@@ -188,7 +192,7 @@ class SpecdecSystems:
         orch, mode, branches = SPECDEC_RUNS[system]
         rtt = self.rtts[0] if rtt is None else rtt
         req = GenerationRequest(prompt_ids, max_new, sampling or SamplingParams(), mode=mode, k=k,
-                                branches=branches)
+                                branches=branches, prompt_lookup=self.prompt_lookup)
         result = self.loop.run_until_complete(self.orchestrators[(orch, rtt)].generate(req))
         s = result.stats
         split = s.time_split()
@@ -201,7 +205,7 @@ class SpecdecSystems:
             tokens_per_round=list(s.tokens_per_round),
             timeline=[(c.service, c.start - t0, c.end - t0, c.outcome) for c in s.calls],
             pipeline_hits=s.pipeline_hits, pipeline_misses=s.pipeline_misses,
-            branches=s.branches_drafted,
+            branches=s.branches_drafted, lookup_rounds=s.lookup_rounds,
         )
 
     def close(self) -> None:

@@ -346,3 +346,23 @@ def test_on_the_default_target_bench_checks_against_specdec_target_only(tmp_path
     assert "every specdec answer's greedy token ids equal specdec target-only's" in stdout
     assert json.loads((out / "concurrency.json").read_text())["reference"] == \
         "specdec-target-only"
+
+
+def test_bench_without_prompt_lookup_drafts_every_block_with_the_draft_model(tiny_models):
+    """--no-prompt-lookup: a prompt the history repeats still gets the draft model's blocks
+    (its acceptance alone); with lookup on the same prompt takes lookup blocks."""
+    from bench.harness import SpecdecSystems
+
+    prompt = [5, 6, 7, 8] * 10
+    lookups = {}
+    for lookup in (True, False):
+        spd = SpecdecSystems(tiny_models["target"], tiny_models["near_draft"], 1,
+                             ["specdec-spec"], prompt_lookup=lookup)
+        try:
+            spd.connect()
+            run = spd.run("specdec-spec", prompt, 16, 2)
+        finally:
+            spd.close()
+        assert run.rounds > 0 and run.draft_tokens > 0
+        lookups[lookup] = run.lookup_rounds
+    assert lookups[True] > 0 and lookups[False] == 0
