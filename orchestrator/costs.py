@@ -164,7 +164,7 @@ class LiveCosts(Costs):
         """Fold in one call (an orchestrator.service_clients.CallRecord)."""
         if rec.outcome != "ok" or rec.re_prefilled or rec.sent_tokens > MAX_STEADY_TOKENS:
             return  # cancelled, or a prefill: not what a steady round costs
-        beyond = max(0.0, (rec.end - rec.start) * 1000.0 - rec.compute_ms)
+        beyond = max(0.0, rec.wall_ms - rec.compute_ms)
         d, mix = self.decay, Decayed.mix
         if rec.service == "target":
             batch = max(rec.batch_size, 1)

@@ -89,7 +89,7 @@ class Pipeline:
         branches = called[0] if called is not None else []
         if called is not None:
             rec = called[1]
-            self.widths.observe(*self.shape, (rec.end - rec.start) * 1000.0)
+            self.widths.observe(*self.shape, rec.wall_ms)
         behind.branches = len(branches)
         hit = next((b for b in branches
                     if b.accepted == rnd.accepted and b.token == rnd.next_token), None)

@@ -142,6 +142,12 @@ class CallRecord:
     after_draft: bool = False  # a verify sent after a draft call (set by the round loop)
     passes: int = 1  # a verify: forward passes it took (1 + the tokens it decoded on)
 
+    @property
+    def wall_ms(self) -> float:
+        """The call's time as the orchestrator saw it, from send to answer (what the live
+        cost model reads)."""
+        return (self.end - self.start) * 1000.0
+
 
 class Backoff:
     """Exponential backoff between attempts to reach a service that failed."""

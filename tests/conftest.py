@@ -1,4 +1,10 @@
-"""Shared fixtures: tiny random-weight models, real gRPC services on loopback, the real pair."""
+"""Shared fixtures: tiny random-weight models, real gRPC services on loopback, the real pair.
+
+A test's verdict never rests on how fast the machine is (CI runs on 2 shared cores): choices
+made from costs are asserted over crafted costs (loop_fakes' records give the cost model
+their nominal times), a race the test needs is forced (a gate, an event, an injected clock),
+a wait ends when its condition holds (``wait_for``) with a bound far past a busy machine's,
+and speed itself is measured in bench/, never asserted here."""
 
 from __future__ import annotations
 

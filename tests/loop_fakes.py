@@ -3,6 +3,7 @@ test_loop_load): a target that verifies greedily against ``target_next``, a draf
 at fixed positions, and helpers that run generations over them. Not a test module."""
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -15,6 +16,19 @@ from specdec.wire import specdec_pb2 as pb
 
 VOCAB = 97
 EOS = 96
+
+
+@dataclasses.dataclass
+class FakeRecord(CallRecord):
+    """A fake's call record: its start and end are the real ones (tests read their order),
+    but the cost model reads the call's nominal time (the fake's await on an idle machine),
+    so a busy machine's stall of a fake's sleep never changes what adaptive k chooses."""
+
+    nominal_ms: float = 0.0
+
+    @property
+    def wall_ms(self) -> float:
+        return self.nominal_ms
 
 
 def target_next(tokens: list[int]) -> int:
@@ -71,8 +85,8 @@ class FakeTarget:
         resp = pb.VerifyResponse(num_accepted=accepted, next_token=emitted[0],
                                  decoded=emitted[1:], compute_ms=self.compute_ms,
                                  passes=len(emitted))
-        return resp, CallRecord("target", start, time.perf_counter(), self.compute_ms,
-                                len(draft_tokens), passes=len(emitted))
+        return resp, FakeRecord("target", start, time.perf_counter(), self.compute_ms,
+                                len(draft_tokens), passes=len(emitted), nominal_ms=2.0)
 
     async def close_session(self, session_id):
         pass
@@ -115,10 +129,11 @@ class FakeDraft:
         seq = list(history.tokens) + list(extra)  # (as the real client: before it awaits)
         # A draft behind a verify (extra: the block in flight) outlasts the verify pass, so
         # a verdict that drops it finds it still running.
-        await asyncio.sleep(0.006 if extra else 0.001)
+        wait_s = 0.006 if extra else 0.001
+        await asyncio.sleep(wait_s)
         out = self.continuation(seq, k)
-        return pb.DraftResponse(tokens=out), CallRecord("draft", start, time.perf_counter(),
-                                                        0.5, k)
+        return pb.DraftResponse(tokens=out), FakeRecord("draft", start, time.perf_counter(),
+                                                        0.5, k, nominal_ms=wait_s * 1000.0)
 
     def candidates(self, seq: list[int], width: int, exclude: int | None) -> list[int]:
         """This draft's ranking of the next token after ``seq``: its own choice first, then
@@ -140,8 +155,9 @@ class FakeDraft:
             for t in self.candidates(seq + block[:j], width, exclude):
                 branches.append(pb.BranchBlock(
                     accepted=j, token=t, tokens=self.continuation(seq + block[:j] + [t], depth)))
-        rec = CallRecord("draft", start, time.perf_counter(), 0.5,
-                         sum(len(b.tokens) for b in branches), branches=len(branches))
+        rec = FakeRecord("draft", start, time.perf_counter(), 0.5,
+                         sum(len(b.tokens) for b in branches), branches=len(branches),
+                         nominal_ms=1.0)
         return pb.DraftResponse(branches=branches), rec
 
     async def close_session(self, session_id):

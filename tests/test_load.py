@@ -138,7 +138,7 @@ LONG_PROMPT = 1500  # ids, sent by one client now and then
 async def _load(url: str, until: float) -> tuple[list[Outcome], list[str], dict[str, int]]:
     """CLIENTS clients until ``until``: mostly greedy streams (checked against target-only),
     every fifth request a stream abandoned after three chunks, and client 0's every fourth a
-    long prompt. Returns the checked outcomes, the failures, and counts of the others."""
+    long prompt (its first among them). Returns the checked outcomes, the failures, and counts of the others."""
     outcomes: list[Outcome] = []
     failures: list[str] = []
     others = {"abandoned": 0, "long": 0}
@@ -152,7 +152,7 @@ async def _load(url: str, until: float) -> tuple[list[Outcome], list[str], dict[
                 prompt, mode = PROMPTS[n % len(PROMPTS)], MODES[(n // len(PROMPTS)) % 2]
                 n += 1
                 try:
-                    if i == 0 and n % 4 == 0:
+                    if i == 0 and n % 4 == 1:  # from its first: one comes, however slow
                         assert await _long_prompt(client) == 1
                         others["long"] += 1
                     elif n % 5 == 0:

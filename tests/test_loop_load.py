@@ -89,11 +89,14 @@ def test_concurrent_pipelined_generations_never_wait_for_the_draft(monkeypatch):
     monkeypatch.setattr(adaptive.KController, "best_k",
                         lambda self, a=None, now=False: real_best_k(self, a, now) if now else 2)
 
-    class SlowAtTimes(FakeDraft):  # every 4th branch call outlasts its verify by far
-        async def propose_branches(self, *args, **kwargs):
-            if self.calls % 4 == 3:
-                await asyncio.sleep(0.05)
-            return await super().propose_branches(*args, **kwargs)
+    class SlowAtTimes(FakeDraft):  # every 4th branch call of a session outlasts its verify
+        per_session: dict[str, int] = {}
+
+        async def propose_branches(self, session_id, *args, **kwargs):
+            n = self.per_session[session_id] = self.per_session.get(session_id, 0) + 1
+            if n % 4 == 3:  # by far beside another session (a busy machine's stall is less)
+                await asyncio.sleep(0.3 if orch.active > 1 else 0.05)
+            return await super().propose_branches(session_id, *args, **kwargs)
 
     target, draft = FakeTarget(), SlowAtTimes(wrong_every=3)
     # a pass that grows with its rows: narrow branch calls, so that only the slow ones are
@@ -134,7 +137,8 @@ def test_under_load_a_probe_whose_branch_call_comes_late_backs_off():
     for many rounds catches up on all of them first, and came as late each time)."""
     class AlwaysLate(FakeDraft):
         async def propose_branches(self, *args, **kwargs):
-            await asyncio.sleep(0.03)
+            # late by far beside another session: a busy machine's stall is less
+            await asyncio.sleep(0.3 if orch.active > 1 else 0.03)
             return await super().propose_branches(*args, **kwargs)
 
     target, draft = FakeTarget(), AlwaysLate(wrong_every=1)

@@ -1,6 +1,5 @@
 """Session bookkeeping: prefix hashes, rollback, LRU eviction under a cap, idle TTL."""
 
-import time
 
 import pytest
 
@@ -59,9 +58,9 @@ def test_lru_eviction_keeps_the_cap_and_spares_pinned():
 
 
 def test_idle_sessions_expire():
-    store = SessionStore(cap_bytes=10_000, max_sessions=10, ttl_s=0.05)
+    store = SessionStore(cap_bytes=10_000, max_sessions=10, ttl_s=60.0)
     store.put(Session("old", FakeCache()))
-    time.sleep(0.1)
     store.put(Session("new", FakeCache()))
+    store._sessions["old"].last_used -= 120.0  # idle for two minutes (no wall-clock wait)
     assert store.enforce_limits() == ["old"]
     assert store.expirations == 1 and "new" in store

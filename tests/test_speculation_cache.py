@@ -131,6 +131,22 @@ def test_the_block_must_follow_the_historys_last_token(tiny_services):
     run(go())
 
 
+class _Gate:
+    """An engine whose passes wait until released (and say when the first one started)."""
+
+    def __init__(self, engine):
+        import threading
+        self.engine, self.started, self.release = engine, threading.Event(), threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def forward(self, *args, **kwargs):
+        self.started.set()
+        self.release.wait(60)
+        return self.engine.forward(*args, **kwargs)
+
+
 def test_a_cancelled_branch_call_leaves_the_session_as_a_fresh_one(tiny_services):
     """The client cancels a branch call (the verdict came, the generation ended); the next
     call on the session drafts exactly what a fresh session drafts."""
@@ -145,12 +161,24 @@ def test_a_cancelled_branch_call_leaves_the_session_as_a_fresh_one(tiny_services
             draft = orch.draft
             first, _ = await draft.propose("cache-cancel", history, [], 4, GREEDY)
             block = list(first.tokens)
-            task = asyncio.ensure_future(draft.propose_branches(
-                "cache-cancel", history, block, 4, 6, GREEDY))
-            await asyncio.sleep(0.005)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            # the branch call's passes wait at a gate, so the cancel lands mid-call however
+            # fast or slow the machine
+            scheduler = tiny_services["near_draft"].runtime.scheduler
+            gate = _Gate(scheduler.engine)
+            scheduler.engine = gate
+            try:
+                task = asyncio.ensure_future(draft.propose_branches(
+                    "cache-cancel", history, block, 4, 6, GREEDY))
+                for _ in range(30_000):
+                    if gate.started.is_set():
+                        break
+                    await asyncio.sleep(0.001)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            finally:
+                scheduler.engine = gate.engine
+                gate.release.set()
             longer = History(history.tokens + block[:2] + [7])
             again, _ = await draft.propose("cache-cancel", longer, [], 5, GREEDY)
             fresh, _ = await draft.propose("cache-fresh", longer, [], 5, GREEDY)

@@ -55,7 +55,9 @@ def test_serve_restarts_a_killed_target_and_draft_and_leaves_nothing_behind(serv
 
         def kill_target_mid_stream():
             try:
-                for n, _ in enumerate(client.stream_chat(PROMPT, max_tokens=MAX_TOKENS,
+                # (long enough that it cannot end before the kill lands, however slow the
+                # reader: the kill comes at its third chunk)
+                for n, _ in enumerate(client.stream_chat(PROMPT, max_tokens=300,
                                                          temperature=0, mode="target-only")):
                     if n == 2:
                         failed["killed_at"] = time.monotonic()
