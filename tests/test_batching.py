@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import torch
 from conftest import BlockWork, ServiceThread, StepWork, hf_greedy, run
 
 from orchestrator.generation import GenerationRequest
@@ -113,7 +114,14 @@ def test_kv_cache_cap_holds_under_batching(tiny_models):
     target = ServiceThread("target", tiny_models["target"], max_batch=8)
     try:
         store = target.runtime.store
-        store.cap_bytes = 200_000  # below what the six sessions hold together
+        # the cap: what a session of 100 tokens holds. The 200-token prompt's session alone
+        # exceeds it, so the pass that answers its first call (it is unpinned then) evicts
+        # it whatever the timing, and its next call re-prefills; smaller idle sessions may
+        # stay while under the cap.
+        engine = target.runtime.engine
+        probe = engine.new_cache()
+        engine.forward([probe], [torch.arange(100) + 10], [1])
+        store.cap_bytes = probe.nbytes
         idle_bytes = []
         orig = store.enforce_limits
 
@@ -172,7 +180,6 @@ def test_sessions_answered_together_share_the_next_pass(tiny_models, regroup_ms)
     import threading
     import time
 
-    import torch
 
     from specdec.models.loading import load_engine
     from specdec.serving.scheduler import BatchScheduler
@@ -229,7 +236,6 @@ def test_a_call_that_does_not_fit_in_memory_fails_alone(tiny_models):
     (Mutant: an out-of-memory pass failed like any other fails the two that fit.)"""
     import concurrent.futures
 
-    import torch
 
     from specdec.models.loading import load_engine
     from specdec.serving.scheduler import BatchScheduler
