@@ -180,7 +180,6 @@ def test_sessions_answered_together_share_the_next_pass(tiny_models, regroup_ms)
     import threading
     import time
 
-
     from specdec.models.loading import load_engine
     from specdec.serving.scheduler import BatchScheduler
 
@@ -235,7 +234,6 @@ def test_a_call_that_does_not_fit_in_memory_fails_alone(tiny_models):
     as RESOURCE_EXHAUSTED); its session's cache is as it was, and the scheduler keeps serving.
     (Mutant: an out-of-memory pass failed like any other fails the two that fit.)"""
     import concurrent.futures
-
 
     from specdec.models.loading import load_engine
     from specdec.serving.scheduler import BatchScheduler

@@ -138,7 +138,8 @@ LONG_PROMPT = 1500  # ids, sent by one client now and then
 async def _load(url: str, until: float) -> tuple[list[Outcome], list[str], dict[str, int]]:
     """CLIENTS clients until ``until``: mostly greedy streams (checked against target-only),
     every fifth request a stream abandoned after three chunks, and client 0's every fourth a
-    long prompt (its first among them). Returns the checked outcomes, the failures, and counts of the others."""
+    long prompt (its first among them). Returns the checked outcomes, the failures, and counts
+    of the others."""
     outcomes: list[Outcome] = []
     failures: list[str] = []
     others = {"abandoned": 0, "long": 0}

@@ -1,6 +1,5 @@
 """Session bookkeeping: prefix hashes, rollback, LRU eviction under a cap, idle TTL."""
 
-
 import pytest
 
 from specdec.serving.session import (

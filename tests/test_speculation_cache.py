@@ -169,10 +169,7 @@ def test_a_cancelled_branch_call_leaves_the_session_as_a_fresh_one(tiny_services
             try:
                 task = asyncio.ensure_future(draft.propose_branches(
                     "cache-cancel", history, block, 4, 6, GREEDY))
-                for _ in range(30_000):
-                    if gate.started.is_set():
-                        break
-                    await asyncio.sleep(0.001)
+                await asyncio.to_thread(gate.started.wait, 30)
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task

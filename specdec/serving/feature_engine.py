@@ -12,8 +12,9 @@ drafted tokens, the speculation cache's branches), or zeros for a first row befo
 came (the first round's draft calls); a draft that reads target layers beside the final
 feature (``FeatureDraft.feature_layers``) reads them there as their means. Such rows are
 provisional: once the target's feature for one of them arrives they are computed again from
-there, so what the draft has seen of the accepted tokens is always the target's. Rows are computed when logits are asked for, the
-leading ones whose features are known in one step, the others one by one.
+there, so what the draft has seen of the accepted tokens is always the target's. Rows are
+computed when logits are asked for, the leading ones whose features are known in one step,
+the others one by one.
 """
 
 from __future__ import annotations
